@@ -1,0 +1,51 @@
+"""Every TensorFlow- and Keras-private symbol tfdp touches, in one place.
+
+A TensorFlow or Keras upgrade that moves one of these breaks here, and
+``tests/test_tf_private.py`` pins each one, so the failure names the symbol instead of
+surfacing as a confusing error deep inside training.
+
+Each entry says why no public API serves.
+"""
+
+from __future__ import annotations
+
+# --- TensorFlow -------------------------------------------------------------------------
+
+# Why: tf.distribute has no public way to build a Strategy with a custom extended object.
+# CollectiveAllReduceExtended is the engine under MultiWorkerMirroredStrategy: it mirrors
+# variables over local devices and spans workers with TensorFlow's collective runtime over
+# gRPC. tfdp subclasses it to choose the local devices (logical CPUs per worker, which the
+# stock class never uses) and its communication options.
+from tensorflow.python.distribute.collective_all_reduce_strategy import (  # noqa: E402
+    CollectiveAllReduceExtended,
+)
+
+# Why: the public MultiWorkerMirroredStrategy constructor always builds its own extended
+# object from TF_CONFIG; tfdp calls the base Strategy constructor with its own extended.
+from tensorflow.python.distribute.distribute_lib import Strategy as StrategyBase  # noqa: E402
+
+# Why: the per-replica values Keras hands to Strategy.reduce are instances of this class;
+# there is no public isinstance check for "PerReplica".
+from tensorflow.python.distribute.values import DistributedValues  # noqa: E402
+
+
+# --- Keras ------------------------------------------------------------------------------
+
+# Why: Keras 3 reduces gradients only inside the TensorFlow optimizer backend, *after*
+# clipping them (so clipnorm/global_clipnorm act on local gradients). No public hook
+# lets a strategy reduce earlier, so tfdp patches two methods of this class (see
+# tfdp/collectives.py, install_keras_gradient_hooks).
+from keras.src.backend.tensorflow.optimizer import TFOptimizer  # noqa: E402
+
+# Why: LossScaleOptimizer decides "finite or not" from replica 0's local gradients; tfdp
+# patches check_finite to agree across all replicas (see collectives.py).
+from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer  # noqa: E402
+
+
+__all__ = [
+    "CollectiveAllReduceExtended",
+    "StrategyBase",
+    "DistributedValues",
+    "TFOptimizer",
+    "LossScaleOptimizer",
+]

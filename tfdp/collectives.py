@@ -1,0 +1,221 @@
+"""Replica-context collectives: gradient all-reduce with buckets and compression,
+reduce-scatter and all-gather for sharded optimizers, and the Keras gradient hooks.
+
+Everything here runs inside ``strategy.run`` (a replica context) of a tfdp strategy.
+
+Bucketing: gradients of one dtype are flattened and concatenated into buckets of about
+``bucket_bytes`` (a bucket closes once it reaches the size, so one large tensor is one
+bucket), and each bucket is one collective. ``bucket_bytes=0`` means one collective per
+tensor. Fewer, larger collectives amortise the per-collective latency that dominates small
+models; smaller buckets start communicating earlier on large ones.
+
+Compression: ``"fp16"``/``"bf16"`` casts each floating bucket to that dtype for the
+collective and back to the gradient's dtype afterwards, halving bytes on the wire. The
+ring sum itself runs in the wire dtype, so the result carries that dtype's rounding error
+(fp16: ~1e-3 relative; bf16: ~1e-2); gradients in Keras are already divided by the
+replica count, which keeps fp16 sums far from overflow in practice.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import tensorflow as tf
+
+from tfdp import _tf_private
+
+__all__ = [
+    "COMPRESSION_DTYPES",
+    "plan_buckets",
+    "all_reduce_gradients",
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "install_keras_gradient_hooks",
+]
+
+COMPRESSION_DTYPES = {None: None, "fp16": tf.float16, "bf16": tf.bfloat16}
+
+# One collective per listed tensor: TensorFlow's packer opens a new pack once the current
+# one holds at least this many bytes, and every tensor we hand it holds at least one byte.
+_ONE_COLLECTIVE_PER_TENSOR = 1
+
+
+def plan_buckets(num_bytes: Sequence[int], dtypes: Sequence, bucket_bytes: int) -> list[list[int]]:
+    """Groups tensor indices into buckets; pure function, no TensorFlow ops.
+
+    Tensors of one dtype are bucketed in order; a bucket closes as soon as it holds at
+    least ``bucket_bytes`` (so no bucket is split and a tensor larger than the bucket size
+    is a bucket of its own). ``bucket_bytes == 0``: one bucket per tensor.
+
+    Returns:
+        A list of buckets, each a list of indices into the inputs.
+    """
+    if bucket_bytes < 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 0 (0 = one collective per tensor).")
+    buckets: list[list[int]] = []
+    open_bucket: dict = {}  # dtype -> (bucket index, bytes so far)
+    for i, (size, dtype) in enumerate(zip(num_bytes, dtypes)):
+        current = open_bucket.get(dtype)
+        if bucket_bytes == 0 or current is None or current[1] >= bucket_bytes:
+            buckets.append([i])
+            open_bucket[dtype] = (len(buckets) - 1, size)
+        else:
+            buckets[current[0]].append(i)
+            open_bucket[dtype] = (current[0], current[1] + size)
+    return buckets
+
+
+def _options(strategy, **overrides):
+    base = strategy.extended._communication_options  # the strategy's own defaults
+    return tf.distribute.experimental.CommunicationOptions(
+        bytes_per_pack=overrides.get("bytes_per_pack", base.bytes_per_pack),
+        timeout_seconds=base.timeout_seconds,
+        implementation=base.implementation,
+    )
+
+
+def _wire_cast(x, compression):
+    wire = COMPRESSION_DTYPES[compression]
+    if wire is None or not x.dtype.is_floating or x.dtype == wire:
+        return x
+    return tf.cast(x, wire)
+
+
+def all_reduce_gradients(grads, strategy=None):
+    """Sums ``grads`` (a list, ``None`` allowed) over all replicas of all workers.
+
+    Uses the strategy's ``bucket_bytes`` and ``compression``. Sparse gradients
+    (``tf.IndexedSlices``, e.g. from ``Embedding``) are reduced as IndexedSlices (an
+    all-gather of indices and values) and are never compressed.
+    """
+    ctx = tf.distribute.get_replica_context()
+    strategy = strategy or ctx.strategy
+    bucket_bytes = strategy.bucket_bytes
+    compression = strategy.compression
+    grads = list(grads)
+    dense = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
+    sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+    out = list(grads)
+    if dense:
+        # Reverse so the last layers' gradients, which backprop produces first, go first.
+        order = dense[::-1]
+        tensors = [grads[i] for i in order]
+        buckets = plan_buckets(
+            [t.shape.num_elements() * t.dtype.size if t.shape.is_fully_defined() else 0
+             for t in tensors],
+            [t.dtype for t in tensors], bucket_bytes)
+        flat = []
+        for bucket in buckets:
+            parts = [tf.reshape(tensors[j], [-1]) for j in bucket]
+            packed = parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
+            flat.append(_wire_cast(packed, compression))
+        reduced = ctx.all_reduce(
+            tf.distribute.ReduceOp.SUM, flat,
+            options=_options(strategy, bytes_per_pack=_ONE_COLLECTIVE_PER_TENSOR))
+        for bucket, value in zip(buckets, reduced):
+            sizes = [tf.size(tensors[j]) for j in bucket]
+            pieces = [value] if len(bucket) == 1 else tf.split(value, sizes, axis=0)
+            for j, piece in zip(bucket, pieces):
+                src = tensors[j]
+                out[order[j]] = tf.reshape(tf.cast(piece, src.dtype), tf.shape(src))
+    if sparse:
+        reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in sparse],
+                                 options=_options(strategy))
+        for i, value in zip(sparse, reduced):
+            out[i] = value
+    return out
+
+
+def all_reduce(value, op=tf.distribute.ReduceOp.SUM):
+    """All-reduce of one tensor over every replica of every worker."""
+    ctx = tf.distribute.get_replica_context()
+    return ctx.all_reduce(op, value, options=_options(ctx.strategy))
+
+
+def all_gather(value, axis=0):
+    """Concatenates ``value`` from every replica (in replica order) along ``axis``."""
+    ctx = tf.distribute.get_replica_context()
+    return ctx.all_gather(value, axis=axis, options=_options(ctx.strategy))
+
+
+def reduce_scatter(value, num_replicas=None):
+    """Sums ``value`` over replicas and returns this replica's 1/R slice along axis 0.
+
+    ``value``'s first dimension must be divisible by the replica count R. TensorFlow's
+    CollectiveReduceScatterV2 has no CPU kernel, so on every device this is built from an
+    all-to-all: replica r receives slice r from each peer and sums them locally (the same
+    bytes on the wire as a ring reduce-scatter).
+    """
+    ctx = tf.distribute.get_replica_context()
+    num_replicas = num_replicas or ctx.num_replicas_in_sync
+    if num_replicas == 1:
+        return value
+    strategy = ctx.strategy
+    exchanged = strategy.extended._tfdp_all_to_all(value, ctx)
+    rows = tf.shape(value)[0] // num_replicas
+    parts = tf.reshape(exchanged, tf.concat([[num_replicas, rows], tf.shape(value)[1:]], 0))
+    return tf.reduce_sum(parts, axis=0)
+
+
+# --- Keras gradient hooks --------------------------------------------------------------
+
+_install_lock = threading.Lock()
+_installed = False
+
+
+def _tfdp_strategy_in_replica_context(optimizer):
+    strategy = getattr(optimizer, "_distribution_strategy", None)
+    if not getattr(strategy, "_is_tfdp_strategy", False):
+        return None
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.strategy is not strategy:
+        return None
+    return strategy
+
+
+def install_keras_gradient_hooks():
+    """Makes Keras reduce gradients *before* clipping under a tfdp strategy.
+
+    Keras 3 clips (``clipnorm``, ``global_clipnorm``, ``clipvalue``) local gradients and
+    only then all-reduces them, so distributed clipping differs from single-device
+    clipping. Under a tfdp strategy the hooks reduce in ``_clip_gradients`` (which Keras
+    calls on every real update, after gradient accumulation) and make the later
+    ``_all_reduce_sum_gradients`` a pass-through. Under any other strategy Keras behaves
+    exactly as before. ``LossScaleOptimizer.check_finite`` is made to agree across
+    replicas, so one replica's overflow skips the step everywhere.
+    """
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        opt_cls = _tf_private.TFOptimizer
+        original_clip = opt_cls._clip_gradients
+        original_all_reduce = opt_cls._all_reduce_sum_gradients
+        lso_cls = _tf_private.LossScaleOptimizer
+        original_check_finite = lso_cls.check_finite
+
+        def _clip_gradients(self, grads):
+            strategy = _tfdp_strategy_in_replica_context(self)
+            if strategy is not None and not getattr(self, "_tfdp_reduces_itself", False):
+                grads = all_reduce_gradients(grads, strategy)
+            return original_clip(self, grads)
+
+        def _all_reduce_sum_gradients(self, grads_and_vars):
+            if _tfdp_strategy_in_replica_context(self) is not None:
+                return list(grads_and_vars)  # reduced in _clip_gradients already
+            return original_all_reduce(self, grads_and_vars)
+
+        def check_finite(self, grads):
+            finite = original_check_finite(self, grads)
+            strategy = _tfdp_strategy_in_replica_context(self)
+            if strategy is None:
+                return finite
+            bad = all_reduce(tf.cast(tf.logical_not(finite), tf.float32))
+            return tf.equal(bad, 0.0)
+
+        opt_cls._clip_gradients = _clip_gradients
+        opt_cls._all_reduce_sum_gradients = _all_reduce_sum_gradients
+        lso_cls.check_finite = check_finite
+        _installed = True
