@@ -116,6 +116,14 @@ class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
                         for i in self._tfdp_device_indices)
         return devices, self._tfdp_device_type
 
+    def _use_merge_call(self):
+        # Every replica launches its own collectives (collective-v2 ops ordered by
+        # per-device tokens) instead of funnelling through merge_call. TensorFlow does this
+        # only for XLA on GPUs; tfdp needs it everywhere because Keras reduces gradients
+        # inside a tf.cond when gradient_accumulation_steps is set, and merge_call cannot
+        # run inside control flow.
+        return False
+
     def _tfdp_all_to_all(self, value, replica_ctx):
         """All-to-all over every replica, with keys from this strategy's own launcher."""
         replica_id = replica_ctx.replica_id_in_sync_group

@@ -1,0 +1,80 @@
+"""Shared helpers: deterministic data, models, and a train-and-compare routine."""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+import keras
+
+
+def cpu_devices(n):
+    return [f"/device:CPU:{i}" for i in range(n)]
+
+
+def classification_data(n=256, features=8, classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype("float32")
+    w = rng.normal(size=(features, classes))
+    y = np.argmax(x @ w + 0.5 * rng.normal(size=(n, classes)), axis=1).astype("int32")
+    return x, y
+
+
+def image_data(n=128, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8, 8, 1)).astype("float32")
+    y = (x.mean(axis=(1, 2, 3)) > 0).astype("int32")
+    return x, y
+
+
+def mlp(features=8, classes=3):
+    return keras.Sequential([
+        keras.Input((features,)),
+        keras.layers.Dense(32, activation="relu"),
+        keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dense(classes),
+    ])
+
+
+def convnet(classes=2):
+    return keras.Sequential([
+        keras.Input((8, 8, 1)),
+        keras.layers.Conv2D(4, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(8, 3, activation="relu"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(classes),
+    ])
+
+
+def initial_weights(model_fn, seed=1234):
+    keras.utils.set_random_seed(seed)
+    return model_fn().get_weights()
+
+
+def train(strategy, model_fn, optimizer_fn, x, y, global_batch, epochs=2, weights=None,
+          compile_kwargs=None, fit_kwargs=None):
+    """Trains under ``strategy`` (None = no strategy); returns (model, history dict)."""
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
+    scope = strategy.scope() if strategy is not None else tf.distribute.get_strategy().scope()
+    with scope:
+        model = model_fn()
+        if weights is not None:
+            model.set_weights(weights)
+        model.compile(
+            optimizer=optimizer_fn(),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"], **(compile_kwargs or {}))
+    history = model.fit(ds, epochs=epochs, verbose=0, **(fit_kwargs or {}))
+    return model, history.history
+
+
+def assert_weights_close(a, b, atol=1e-5, rtol=1e-5):
+    assert len(a) == len(b)
+    for i, (u, v) in enumerate(zip(a, b)):
+        np.testing.assert_allclose(u, v, atol=atol, rtol=rtol, err_msg=f"weight {i}")
+
+
+def replica_components(strategy, variable):
+    """The per-replica numpy values of a mirrored variable."""
+    var = getattr(variable, "value", variable)
+    return [np.asarray(v) for v in strategy.experimental_local_results(var)]

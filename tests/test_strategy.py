@@ -1,0 +1,241 @@
+"""DataParallelStrategy: construction, selection logic, errors, and the Keras features
+users rely on (evaluate/predict, sync BatchNorm, save/load, BackupAndRestore, gradient
+accumulation, buckets, compression)."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import keras
+
+import tfdp
+from tfdp import strategy as strategy_lib
+from tfdp.collectives import plan_buckets
+from helpers import (assert_weights_close, classification_data, cpu_devices,
+                     initial_weights, mlp, replica_components, train)
+
+
+# --- selection logic (no GPU needed) ----------------------------------------------------
+
+@pytest.mark.parametrize("requested,device_type,expected", [
+    ("auto", "GPU", "nccl"), ("auto", "CPU", "ring"), ("ring", "GPU", "ring"),
+    ("nccl", "GPU", "nccl"), ("ring", "CPU", "ring"),
+])
+def test_communication_selection(requested, device_type, expected):
+    assert strategy_lib.resolve_communication(requested, device_type) == expected
+
+
+def test_nccl_without_gpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="needs GPUs"):
+        strategy_lib.resolve_communication("nccl", "CPU")
+    with pytest.raises(ValueError, match="needs GPUs"):
+        tfdp.DataParallelStrategy(communication="nccl")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"communication": "mpi"}, "not one of"),
+    ({"compression": "int8"}, "compression='int8'"),
+    ({"bucket_bytes": -1}, "bucket_bytes=-1"),
+    ({"timeout_seconds": 0}, "timeout_seconds"),
+    ({"devices": ["/device:CPU:17"]}, "does not exist"),
+    ({"devices": ["/device:GPU:0"]}, "does not exist"),
+    ({"devices": ["/device:CPU:0", "/device:CPU:0"]}, "twice"),
+    ({"devices": []}, "names no device"),
+])
+def test_bad_arguments_name_the_problem(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        tfdp.DataParallelStrategy(**kwargs)
+
+
+def test_configure_cpu_replicas_errors():
+    assert len(tfdp.configure_cpu_replicas(4)) == 4  # same split again: fine
+    with pytest.raises(RuntimeError, match="after TensorFlow initialised"):
+        tfdp.configure_cpu_replicas(3)
+    for bad in (0, -2, 1.5, "4", True):
+        with pytest.raises(ValueError, match="positive integer"):
+            tfdp.configure_cpu_replicas(bad)
+
+
+def test_defaults_and_properties():
+    s = tfdp.DataParallelStrategy()
+    assert isinstance(s, tf.distribute.Strategy)
+    assert isinstance(s, tf.distribute.MultiWorkerMirroredStrategy)
+    assert s.num_replicas_in_sync == 4
+    assert s.communication == "ring"
+    assert s.cluster == tfdp.ClusterConfig()
+    assert s.cluster.num_workers == 1 and s.cluster.is_chief
+    assert s.bucket_bytes == strategy_lib.DEFAULT_BUCKET_BYTES
+    assert s.timeout_seconds is None
+
+
+def test_variables_are_mirrored_on_every_replica():
+    s = tfdp.DataParallelStrategy(devices=cpu_devices(2))
+    with s.scope():
+        model = mlp()
+    components = replica_components(s, model.trainable_variables[0])
+    assert len(components) == 2
+    np.testing.assert_array_equal(components[0], components[1])
+
+
+def test_plan_buckets():
+    f32, f16 = tf.float32, tf.float16
+    assert plan_buckets([4, 4, 4], [f32] * 3, 0) == [[0], [1], [2]]
+    assert plan_buckets([4, 4, 4], [f32] * 3, 8) == [[0, 1], [2]]
+    assert plan_buckets([100, 4, 4], [f32] * 3, 8) == [[0], [1, 2]]
+    assert plan_buckets([4, 4, 4, 4], [f32, f16, f32, f16], 1 << 20) == [[0, 2], [1, 3]]
+    with pytest.raises(ValueError):
+        plan_buckets([4], [f32], -1)
+
+
+# --- numerics of buckets and compression -------------------------------------------------
+
+def _run_fit(strategy, x, y, weights, epochs=2):
+    opt = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
+    model, history = train(strategy, mlp, opt, x, y, 64, weights=weights, epochs=epochs)
+    return model.get_weights(), history
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 64, 1 << 30])
+def test_bucket_sizes_do_not_change_results(bucket_bytes):
+    x, y = classification_data()
+    w0 = initial_weights(mlp)
+    ref, _ = _run_fit(None, x, y, w0)
+    got, _ = _run_fit(tfdp.DataParallelStrategy(devices=cpu_devices(4),
+                                                bucket_bytes=bucket_bytes), x, y, w0)
+    assert_weights_close(got, ref)
+
+
+@pytest.mark.parametrize("compression,tol", [("fp16", 2e-3), ("bf16", 2e-2)])
+def test_compression_stays_within_dtype_tolerance(compression, tol):
+    x, y = classification_data()
+    w0 = initial_weights(mlp)
+    ref, ref_hist = _run_fit(None, x, y, w0)
+    got, hist = _run_fit(tfdp.DataParallelStrategy(devices=cpu_devices(4),
+                                                   compression=compression), x, y, w0)
+    scale = max(np.abs(w).max() for w in ref)
+    diff = max(np.abs(a - b).max() for a, b in zip(got, ref))
+    assert diff <= tol * scale
+    assert diff > 0  # the wire dtype really was used
+    np.testing.assert_allclose(hist["loss"], ref_hist["loss"], rtol=tol)
+
+
+# --- Keras features ----------------------------------------------------------------------
+
+def test_evaluate_and_predict_match_single_device():
+    x, y = classification_data()
+    w0 = initial_weights(mlp)
+    ref_model, _ = train(None, mlp, lambda: keras.optimizers.SGD(0.1), x, y, 64, weights=w0)
+    s = tfdp.DataParallelStrategy(devices=cpu_devices(4))
+    model, _ = train(s, mlp, lambda: keras.optimizers.SGD(0.1), x, y, 64, weights=w0)
+    ref_eval = ref_model.evaluate(x, y, batch_size=64, verbose=0, return_dict=True)
+    got_eval = model.evaluate(x, y, batch_size=64, verbose=0, return_dict=True)
+    for k in ref_eval:
+        np.testing.assert_allclose(got_eval[k], ref_eval[k], rtol=1e-5, err_msg=k)
+    np.testing.assert_allclose(model.predict(x, batch_size=64, verbose=0),
+                               ref_model.predict(x, batch_size=64, verbose=0), atol=1e-5)
+
+
+def _bn_model(synchronized):
+    def make():
+        return keras.Sequential([
+            keras.Input((8,)), keras.layers.Dense(16),
+            keras.layers.BatchNormalization(synchronized=synchronized),
+            keras.layers.Activation("relu"), keras.layers.Dense(3)])
+    return make
+
+
+def test_synchronized_batchnorm_uses_global_batch_statistics():
+    x, y = classification_data()
+    w0 = initial_weights(_bn_model(False))
+    opt = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
+    ref, _ = train(None, _bn_model(False), opt, x, y, 64, weights=w0)
+    s = tfdp.DataParallelStrategy(devices=cpu_devices(4))
+    got, _ = train(s, _bn_model(True), opt, x, y, 64, weights=w0)
+    assert_weights_close(got.get_weights(), ref.get_weights())  # includes moving stats
+    # Guard: per-replica statistics (synchronized=False) give different weights.
+    s2 = tfdp.DataParallelStrategy(devices=cpu_devices(4))
+    local, _ = train(s2, _bn_model(False), opt, x, y, 64, weights=w0)
+    diff = max(np.abs(a - b).max() for a, b in zip(local.get_weights(), ref.get_weights()))
+    assert diff > 1e-4
+
+
+def test_gradient_accumulation_matches_single_device():
+    x, y = classification_data()
+    w0 = initial_weights(mlp)
+    opt = lambda: keras.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2,  # noqa: E731
+                                       global_clipnorm=0.3)
+    ref, ref_hist = train(None, mlp, opt, x, y, 32, weights=w0)
+    s = tfdp.DataParallelStrategy(devices=cpu_devices(4))
+    got, hist = train(s, mlp, opt, x, y, 32, weights=w0)
+    assert_weights_close(got.get_weights(), ref.get_weights())
+    np.testing.assert_allclose(hist["loss"], ref_hist["loss"], rtol=1e-5)
+
+
+def test_dropout_trains_and_replicas_stay_identical():
+    def make():
+        return keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation="relu"),
+                                 keras.layers.Dropout(0.5), keras.layers.Dense(3)])
+    x, y = classification_data()
+    s = tfdp.DataParallelStrategy(devices=cpu_devices(4))
+    model, hist = train(s, make, lambda: keras.optimizers.Adam(0.01), x, y, 64, epochs=5)
+    assert hist["loss"][-1] < hist["loss"][0]
+    for var in model.trainable_variables:
+        c = replica_components(s, var)
+        for other in c[1:]:
+            np.testing.assert_array_equal(other, c[0])
+
+
+def test_save_and_load_round_trip(tmp_path):
+    x, y = classification_data()
+    s = tfdp.DataParallelStrategy(devices=cpu_devices(2))
+    model, _ = train(s, mlp, lambda: keras.optimizers.Adam(0.01), x, y, 64)
+    expected = model.predict(x, verbose=0)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), expected, atol=1e-6)
+    assert len(loaded.optimizer.variables) == len(model.optimizer.variables)
+    for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-7)
+
+    model.save_weights(tmp_path / "w.weights.h5")
+    s2 = tfdp.DataParallelStrategy(devices=cpu_devices(4))
+    with s2.scope():
+        other = mlp()
+    other.load_weights(tmp_path / "w.weights.h5")
+    np.testing.assert_allclose(other.predict(x, verbose=0), expected, atol=1e-6)
+    for var in other.trainable_variables:  # loaded into every replica
+        c = replica_components(s2, var)
+        np.testing.assert_array_equal(c[-1], c[0])
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def __init__(self, at_epoch):
+        super().__init__()
+        self.at_epoch = at_epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.at_epoch:
+            raise RuntimeError("simulated preemption")
+
+
+def test_backup_and_restore_resumes_exactly(tmp_path):
+    x, y = classification_data()
+    w0 = initial_weights(mlp)
+    opt = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
+    ref, _ = train(tfdp.DataParallelStrategy(devices=cpu_devices(4)), mlp, opt, x, y, 64,
+                   weights=w0, epochs=4)
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    with pytest.raises(RuntimeError, match="simulated preemption"):
+        train(tfdp.DataParallelStrategy(devices=cpu_devices(4)), mlp, opt, x, y, 64,
+              weights=w0, epochs=4, fit_kwargs={"callbacks": [backup, _Interrupt(1)]})
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    resumed, hist = train(tfdp.DataParallelStrategy(devices=cpu_devices(4)), mlp, opt, x, y,
+                          64, weights=w0, epochs=4, fit_kwargs={"callbacks": [backup]})
+    assert len(hist["loss"]) == 2  # epochs 3 and 4 only: nothing trained twice
+    assert_weights_close(resumed.get_weights(), ref.get_weights())
+
+
+def test_many_strategies_in_one_process_do_not_collide():
+    x, y = classification_data(n=64)
+    for replicas in (2, 4, 2):
+        s = tfdp.DataParallelStrategy(devices=cpu_devices(replicas))
+        train(s, mlp, lambda: keras.optimizers.SGD(0.1), x, y, 32, epochs=1)
