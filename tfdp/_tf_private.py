@@ -49,3 +49,15 @@ __all__ = [
     "TFOptimizer",
     "LossScaleOptimizer",
 ]
+
+
+def set_distributed_dataset_cardinality(distributed_dataset, steps: int) -> None:
+    """Makes ``distributed_dataset.cardinality`` the number of global steps per epoch.
+
+    Why: for ``distribute_datasets_from_function`` TensorFlow reports the cardinality of
+    one worker's dataset (per-replica batches), which Keras reads as steps per epoch; it
+    then keeps stepping past the end, and TensorFlow's partial-batch handling feeds one
+    extra step of empty dummy batches, which still moves momentum/Adam state and the
+    iteration counter. No public API sets the cardinality of a distributed dataset.
+    """
+    distributed_dataset._cardinality = steps  # noqa: SLF001

@@ -1,0 +1,38 @@
+"""Pins every TensorFlow/Keras-private symbol tfdp uses (tfdp/_tf_private.py), so an
+upgrade that moves one fails here, by name."""
+
+import inspect
+
+import tfdp
+from tfdp import _tf_private
+
+
+def test_private_symbols_exist_with_expected_shape():
+    ext = _tf_private.CollectiveAllReduceExtended
+    for method in ("_initialize_local_devices", "_use_merge_call", "_replica_ctx_all_reduce"):
+        assert hasattr(ext, method), method
+    params = inspect.signature(ext._initialize_local_devices).parameters
+    assert list(params)[1:] == ["cluster_resolver", "worker_device"]
+    assert hasattr(_tf_private.StrategyBase, "__init__")
+    for method in ("_clip_gradients", "_all_reduce_sum_gradients", "_backend_update_step"):
+        assert hasattr(_tf_private.TFOptimizer, method), method
+    assert hasattr(_tf_private.LossScaleOptimizer, "check_finite")
+
+
+def test_only_tf_private_imports_private_modules():
+    import pathlib
+    root = pathlib.Path(tfdp.__file__).parent
+    offenders = []
+    for path in root.rglob("*.py"):
+        if path.name == "_tf_private.py":
+            continue
+        text = path.read_text()
+        for needle in ("tensorflow.python", "keras.src", "tf.__internal__"):
+            if needle in text:
+                offenders.append(f"{path.name}: {needle}")
+    assert not offenders, offenders
+
+
+def test_keras_gradient_hooks_installed():
+    tfdp.DataParallelStrategy()
+    assert _tf_private.TFOptimizer._clip_gradients.__module__ == "tfdp.collectives"

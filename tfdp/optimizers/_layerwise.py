@@ -1,0 +1,82 @@
+"""Pieces shared by the layer-wise adaptive optimizers (LARS, LAMB).
+
+Pure functions for the math, and a small mixin for the exclusion bookkeeping that Keras
+optimizers already do for weight decay.
+"""
+
+from __future__ import annotations
+
+import re
+
+from keras import ops
+
+
+def norm(x):
+    """Euclidean norm of a whole tensor (the "layer" norm of LARS/LAMB)."""
+    return ops.sqrt(ops.sum(ops.square(x)))
+
+
+def trust_ratio(numerator_norm, denominator, *, clip=None):
+    """``numerator_norm / denominator``, 1 where either is 0, optionally clipped to ``clip``."""
+    safe = ops.where(ops.greater(denominator, 0), denominator, ops.ones_like(denominator))
+    ratio = ops.where(
+        ops.logical_and(ops.greater(numerator_norm, 0), ops.greater(denominator, 0)),
+        numerator_norm / safe, ops.ones_like(numerator_norm))
+    if clip is not None:
+        ratio = ops.minimum(ratio, ops.cast(clip, ratio.dtype))
+    return ratio
+
+
+def dense(gradient):
+    """Sparse gradients (``tf.IndexedSlices`` from Embedding) as dense tensors.
+
+    Layer-wise norms need the whole gradient, and momentum/second-moment buffers decay on
+    every row, so the update touches every row anyway; duplicate indices are summed.
+    """
+    return ops.convert_to_tensor(gradient)
+
+
+class LayerAdaptationMixin:
+    """``exclude_from_layer_adaptation`` with the semantics of ``exclude_from_weight_decay``.
+
+    Until ``exclude_from_layer_adaptation`` is called, the variables excluded from weight
+    decay are also excluded from layer adaptation (unless ``always_adapt`` is set).
+    """
+
+    def exclude_from_layer_adaptation(self, var_list=None, var_names=None):
+        """Exclude variables from the trust ratio (they take plain, unscaled steps).
+
+        Must be called before the optimizer is built.
+
+        Args:
+            var_list: variables to exclude.
+            var_names: strings; a variable whose name contains any of them is excluded.
+        """
+        if getattr(self, "built", False):
+            raise ValueError("exclude_from_layer_adaptation() can only be configured before "
+                             "the optimizer is built.")
+        self._adaptation_exclusions_set = True
+        self._exclude_adaptation_ids = {self._var_key(v) for v in (var_list or [])}
+        self._exclude_adaptation_pattern = (
+            re.compile("|".join(re.escape(n) for n in set(var_names))) if var_names else None)
+        self.exclude_from_layer_adaptation_names = list(var_names or [])
+
+    def _uses_layer_adaptation(self, variable) -> bool:
+        if getattr(self, "_adaptation_exclusions_set", False):
+            if self._var_key(variable) in self._exclude_adaptation_ids:
+                return False
+            pattern = self._exclude_adaptation_pattern
+            return pattern is None or re.search(pattern, variable.name) is None
+        if self.always_adapt:
+            return True
+        return self._use_weight_decay(variable)
+
+    def _weight_decay_for(self, variable):
+        if not self.weight_decay or not self._use_weight_decay(variable):
+            return None
+        return ops.cast(self.weight_decay, variable.dtype)
+
+    def _apply_weight_decay(self, variables):
+        # Paper form: weight decay enters the update before the trust ratio (update_step),
+        # not as Keras's decoupled decay of the variables.
+        return
