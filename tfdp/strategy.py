@@ -124,6 +124,17 @@ class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
         # run inside control flow.
         return False
 
+    def _create_variable(self, next_creator, **kwargs):
+        # ONLY_FIRST_REPLICA makes every replica-context update a merge_call, even in a
+        # merge-call-free strategy, which fails inside tf.cond (LossScaleOptimizer applies
+        # the inner optimizer, and its iteration counter, inside one). Such variables (the
+        # optimizer's iteration counter) are computed identically on every replica, so a
+        # local update per replica keeps them identical, as Keras's own weights are.
+        if (kwargs.get("aggregation") == tf.VariableAggregation.ONLY_FIRST_REPLICA
+                and kwargs.get("synchronization") != tf.VariableSynchronization.ON_READ):
+            kwargs["aggregation"] = tf.VariableAggregation.NONE
+        return super()._create_variable(next_creator, **kwargs)
+
     def _tfdp_all_to_all(self, value, replica_ctx):
         """All-to-all over every replica, with keys from this strategy's own launcher."""
         replica_id = replica_ctx.replica_id_in_sync_group

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+import tensorflow as tf
 from keras import ops
 
 
@@ -33,7 +34,11 @@ def dense(gradient):
     Layer-wise norms need the whole gradient, and momentum/second-moment buffers decay on
     every row, so the update touches every row anyway; duplicate indices are summed.
     """
-    return ops.convert_to_tensor(gradient)
+    if isinstance(gradient, tf.IndexedSlices):
+        # keras.ops.convert_to_tensor keeps IndexedSlices sparse; TensorFlow's conversion
+        # scatters (and sums) them into the dense shape.
+        return tf.convert_to_tensor(gradient)
+    return gradient
 
 
 class LayerAdaptationMixin:
