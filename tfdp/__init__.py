@@ -3,7 +3,7 @@
 Public names only; see README.md for the tour and DESIGN.md for the contract.
 """
 
-from tfdp import data, optimizers, schedules
+from tfdp import callbacks, data, optimizers, schedules
 from tfdp.cluster import ClusterConfig, ClusterConfigError
 from tfdp.devices import configure_cpu_replicas
 from tfdp.schedules import scale_learning_rate
@@ -12,6 +12,7 @@ from tfdp.strategy import DataParallelStrategy
 __version__ = "0.1.0"
 
 __all__ = [
+    "callbacks",
     "ClusterConfig",
     "ClusterConfigError",
     "configure_cpu_replicas",

@@ -18,16 +18,26 @@ __all__ = ["configure_cpu_replicas", "local_devices", "CPU_REPLICAS_ENV"]
 CPU_REPLICAS_ENV = "TFDP_CPU_REPLICAS"
 
 
+# Nothing here may initialise the TensorFlow runtime (tf.config.list_logical_devices
+# does): a multi-worker strategy must configure collective ops before that happens.
+
+
 def _current_cpu_split() -> int | None:
     configs = tf.config.get_logical_device_configuration(tf.config.list_physical_devices("CPU")[0])
     return None if configs is None else len(configs)
+
+
+def _logical(device_type: str, count: int) -> list:
+    return [tf.config.LogicalDevice(name=f"/device:{device_type}:{i}", device_type=device_type)
+            for i in range(count)]
 
 
 def configure_cpu_replicas(n: int) -> list:
     """Splits the host CPU into ``n`` logical devices and returns them.
 
     Must run before TensorFlow initialises its devices (before the first op, variable or
-    strategy). Calling it again with the same ``n`` is harmless.
+    strategy). Calling it again with the same ``n`` is harmless. It does not initialise
+    the runtime itself, so a multi-worker strategy can still be created afterwards.
 
     Args:
         n: number of logical CPU devices, a positive integer.
@@ -46,7 +56,7 @@ def configure_cpu_replicas(n: int) -> list:
     cpu = tf.config.list_physical_devices("CPU")[0]
     current = _current_cpu_split()
     if current == n:
-        return tf.config.list_logical_devices("CPU")
+        return _logical("CPU", n)
     try:
         tf.config.set_logical_device_configuration(
             cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)])
@@ -57,7 +67,7 @@ def configure_cpu_replicas(n: int) -> list:
             f"devices (it already has {have} logical CPU device(s)). Call it first thing in "
             "the program, before creating any tensor, variable, model or strategy, or "
             f"set {CPU_REPLICAS_ENV}={n} in the environment before starting Python.") from e
-    return tf.config.list_logical_devices("CPU")
+    return _logical("CPU", n)
 
 
 def configure_from_env(environ=None) -> int | None:
@@ -80,12 +90,29 @@ def configure_from_env(environ=None) -> int | None:
     return None
 
 
-def local_devices() -> tuple[list[str], str]:
-    """Returns ``(device names, device type)``: all GPUs if there are any, else all CPUs."""
-    gpus = tf.config.list_logical_devices("GPU")
-    if gpus:
-        return [d.name for d in gpus], "GPU"
-    return [d.name for d in tf.config.list_logical_devices("CPU")], "CPU"
+def _count_logical(device_type: str) -> int:
+    total = 0
+    for physical in tf.config.list_physical_devices(device_type):
+        configs = tf.config.get_logical_device_configuration(physical)
+        total += len(configs) if configs else 1
+    return total
+
+
+def available_devices() -> dict:
+    """``{device type: number of logical devices}`` without initialising the runtime."""
+    return {t: n for t in ("GPU", "CPU") if (n := _count_logical(t))}
+
+
+def local_devices(available: dict | None = None) -> tuple[list[str], str]:
+    """Returns ``(device names, device type)``: all GPUs if there are any, else all CPUs.
+
+    Args:
+        available: ``{device type: count}`` to decide from (default: this host's), so the
+            choice is testable without a GPU.
+    """
+    available = available_devices() if available is None else available
+    device_type = "GPU" if available.get("GPU") else "CPU"
+    return [d.name for d in _logical(device_type, available.get(device_type, 1))], device_type
 
 
 def device_type_of(name: str) -> str:

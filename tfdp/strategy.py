@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 
 import tensorflow as tf
 
 from tfdp import _tf_private, collectives, devices as devices_lib
-from tfdp.cluster import ClusterConfig
+from tfdp.cluster import READY_FILE_ENV, ClusterConfig
 
 __all__ = ["DataParallelStrategy", "resolve_communication", "DEFAULT_BUCKET_BYTES",
            "DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS"]
@@ -74,10 +75,8 @@ def _resolve_devices(requested):
     requested = list(requested)
     if not requested:
         raise ValueError("devices=[] names no device; pass None for all local devices.")
-    available = {}
-    for d in tf.config.list_logical_devices():
-        spec = tf.DeviceSpec.from_string(d.name)
-        available[(spec.device_type.upper(), spec.device_index)] = d.name
+    available = {(t, i): f"/device:{t}:{i}"
+                 for t, n in devices_lib.available_devices().items() for i in range(n)}
     names, types = [], set()
     for name in requested:
         spec = tf.DeviceSpec.from_string(name)
@@ -209,11 +208,20 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         else:
             resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(tf.train.ClusterSpec({}))
         indices = [tf.DeviceSpec.from_string(n).device_index for n in names]
+        ready_file = os.environ.get(READY_FILE_ENV)
+        if ready_file:
+            # Tell tfdp-run this worker is joining: if it never gets further, a peer is
+            # missing, and the launcher can name the peer rather than this worker.
+            with open(ready_file + ".joining", "w") as f:
+                f.write(f"{cluster.rank}\n")
         collectives.install_keras_gradient_hooks()
         # MultiWorkerMirroredStrategy.__init__ would build its own extended object from
         # TF_CONFIG; the base Strategy constructor takes ours.
         _tf_private.StrategyBase.__init__(
             self, _DataParallelExtended(self, resolver, options, device_type, indices))
+        if ready_file:
+            with open(ready_file, "w") as f:
+                f.write(f"{cluster.rank}\n")
         log.info("tfdp.DataParallelStrategy: %d worker(s) x %d %s replica(s), "
                  "communication=%s, bucket_bytes=%d, compression=%s",
                  cluster.num_workers, len(names), device_type, self._tfdp_communication,

@@ -1,0 +1,89 @@
+"""A worker for the multi-worker tests, started by tfdp-run (real processes).
+
+Trains a small MLP on a deterministic dataset with tfdp.DataParallelStrategy and writes
+this worker's final weights (and every replica's copy) to OUT/weights-<rank>.npz.
+
+Env knobs: TFDP_TEST_OUT, TFDP_TEST_EPOCHS, TFDP_TEST_GLOBAL_BATCH, TFDP_TEST_OPT,
+TFDP_TEST_BACKUP (dir: use tfdp BackupAndRestore), TFDP_TEST_FAIL="rank:epoch:batch:how"
+(how = exit | kill | stop | hang-before-strategy), TFDP_TEST_TIMEOUT (strategy timeout).
+"""
+
+import os
+import signal
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+rank = int(os.environ.get("TFDP_RANK", "0"))
+fail = os.environ.get("TFDP_TEST_FAIL", "")
+fail_rank, fail_epoch, fail_batch, fail_how = (fail.split(":") + ["", "", "", ""])[:4] if fail else ("-1", "", "", "")
+if int(fail_rank) == rank and fail_how == "hang-before-strategy":
+    while True:  # a worker that never joins: the others block in the strategy constructor
+        time.sleep(1)
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import keras  # noqa: E402
+
+import tfdp  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from helpers import classification_data, initial_weights, mlp  # noqa: E402
+
+out = os.environ["TFDP_TEST_OUT"]
+epochs = int(os.environ.get("TFDP_TEST_EPOCHS", "2"))
+global_batch = int(os.environ.get("TFDP_TEST_GLOBAL_BATCH", "32"))
+opt_name = os.environ.get("TFDP_TEST_OPT", "sgd")
+timeout = os.environ.get("TFDP_TEST_TIMEOUT")
+
+strategy = tfdp.DataParallelStrategy(timeout_seconds=float(timeout) if timeout else None)
+print(f"rank {rank}: {strategy.num_replicas_in_sync} replicas, chief={strategy.cluster.is_chief}",
+      flush=True)
+x, y = classification_data(n=256)
+w0 = initial_weights(mlp)
+
+
+def optimizer():
+    if opt_name == "adam":
+        return keras.optimizers.Adam(0.01, global_clipnorm=0.5)
+    if opt_name == "sharded_adam":
+        return tfdp.ShardedOptimizer(keras.optimizers.Adam(0.01, global_clipnorm=0.5))
+    return keras.optimizers.SGD(0.05, momentum=0.9)
+
+
+with strategy.scope():
+    model = mlp()
+    model.set_weights(w0)
+    model.compile(optimizer=optimizer(),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+
+train = tfdp.data.distribute(strategy, tf.data.Dataset.from_tensor_slices((x, y)), global_batch)
+
+
+class Fail(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if int(fail_rank) == rank and self.epoch == int(fail_epoch) and batch == int(fail_batch):
+            print(f"rank {rank}: failing ({fail_how}) at epoch {self.epoch} batch {batch}", flush=True)
+            if fail_how == "exit":
+                os._exit(3)
+            if fail_how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fail_how == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+
+callbacks = [Fail()]
+if os.environ.get("TFDP_TEST_BACKUP"):
+    callbacks.insert(0, tfdp.callbacks.BackupAndRestore(os.environ["TFDP_TEST_BACKUP"]))
+history = model.fit(train, epochs=epochs, verbose=0, callbacks=callbacks)
+replicas = {f"var{i}_replica{j}": np.asarray(c)
+            for i, v in enumerate(model.trainable_variables)
+            for j, c in enumerate(strategy.experimental_local_results(v.value))}
+np.savez(os.path.join(out, f"weights-{rank}.npz"),
+         *model.get_weights(), loss=np.asarray(history.history["loss"]),
+         accuracy=np.asarray(history.history["accuracy"]), **replicas)
+print(f"rank {rank}: done, loss {history.history['loss']}", flush=True)

@@ -1,0 +1,179 @@
+"""Multi-worker training for real: worker processes on 127.0.0.1 started by tfdp-run.
+
+Every launch is bounded by a subprocess timeout, and tfdp-run stops only the workers it
+started."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import keras
+
+from helpers import classification_data, initial_weights, mlp, train
+
+pytestmark = [pytest.mark.multiworker, pytest.mark.slow]
+HERE = os.path.dirname(os.path.abspath(__file__))
+LAUNCH_TIMEOUT = 240
+
+
+def launch(tmp_path, workers=2, cpu_replicas=1, script="mw_worker.py", extra_args=(), **env):
+    environ = dict(os.environ, TFDP_TEST_OUT=str(tmp_path), TF_CPP_MIN_LOG_LEVEL="2")
+    environ.pop("TF_CONFIG", None)
+    environ.update({k: str(v) for k, v in env.items()})
+    cmd = [sys.executable, "-m", "tfdp.run", "--workers", str(workers),
+           "--cpu-replicas", str(cpu_replicas), *extra_args, "--",
+           sys.executable, os.path.join(HERE, script)]
+    proc = subprocess.run(cmd, env=environ, capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def load(tmp_path, rank):
+    return dict(np.load(tmp_path / f"weights-{rank}.npz"))
+
+
+def weights_of(saved):
+    return [saved[f"arr_{i}"] for i in range(sum(k.startswith("arr_") for k in saved))]
+
+
+def reference(opt_name, global_batch, epochs=2):
+    x, y = classification_data(n=256)
+    opt = {"sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+           "adam": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.5)}[opt_name]
+    model, hist = train(None, mlp, opt, x, y, global_batch, epochs=epochs,
+                        weights=initial_weights(mlp))
+    return model.get_weights(), hist
+
+
+@pytest.mark.parametrize("cpu_replicas,opt_name", [(1, "sgd"), (2, "adam")])
+def test_two_workers_train_like_one_device(tmp_path, cpu_replicas, opt_name):
+    global_batch = 32
+    code, out = launch(tmp_path, cpu_replicas=cpu_replicas, TFDP_TEST_OPT=opt_name,
+                       TFDP_TEST_GLOBAL_BATCH=global_batch)
+    assert code == 0, out
+    assert f"rank 0: {2 * cpu_replicas} replicas, chief=True" in out
+    ref_weights, ref_hist = reference(opt_name, global_batch)
+    saved = [load(tmp_path, r) for r in range(2)]
+    for s in saved:
+        for got, want in zip(weights_of(s), ref_weights):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        # Metrics are global: both workers report the single-device history.
+        np.testing.assert_allclose(s["loss"], ref_hist["loss"], rtol=1e-5)
+        np.testing.assert_allclose(s["accuracy"], ref_hist["accuracy"], rtol=1e-5)
+    # Every replica on every worker holds identical weights (checked, not assumed).
+    replica_keys = [k for k in saved[0] if "_replica" in k]
+    assert len(replica_keys) == len(ref_weights) * cpu_replicas
+    for k in replica_keys:
+        base = k.split("_replica")[0] + "_replica0"
+        for s in saved:
+            np.testing.assert_array_equal(s[k], saved[0][base])
+
+
+def test_worker_exiting_nonzero_stops_the_job(tmp_path):
+    code, out = launch(tmp_path, TFDP_TEST_FAIL="1:0:2:exit", TFDP_TEST_EPOCHS=50)
+    assert code == 3, out
+    assert "worker 1 exited with code 3" in out
+
+
+def test_killed_worker_fails_the_survivors(tmp_path):
+    code, out = launch(tmp_path, TFDP_TEST_FAIL="1:0:2:kill", TFDP_TEST_EPOCHS=50)
+    assert code == 128 + signal.SIGKILL, out
+    assert "worker 1 exited with code 137" in out
+
+
+def test_hung_worker_gives_an_error_within_the_timeout(tmp_path):
+    # Worker 1 freezes (SIGSTOP); worker 0's next collective must fail, not hang.
+    code, out = launch(tmp_path, TFDP_TEST_FAIL="1:0:2:stop", TFDP_TEST_EPOCHS=50,
+                       TFDP_TEST_TIMEOUT=5)
+    assert code not in (0, None), out
+    assert "worker 0 exited with code" in out
+    assert any(s in out for s in ("DeadlineExceeded", "Unavailable", "unhealthy", "Aborted",
+                                  "heartbeat")), out
+
+
+def test_worker_that_never_joins_ends_the_job(tmp_path):
+    code, out = launch(tmp_path, TFDP_TEST_FAIL="1:0:0:hang-before-strategy",
+                       extra_args=("--start-timeout", "20"))
+    assert code == 125, out
+    assert "worker(s) [1] did not join the cluster within 20 s" in out
+
+
+def test_ctrl_c_is_forwarded_and_stops_everything(tmp_path):
+    environ = dict(os.environ, TFDP_TEST_OUT=str(tmp_path), TFDP_TEST_EPOCHS="100000")
+    environ.pop("TF_CONFIG", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tfdp.run", "--workers", "2", "--", sys.executable,
+         os.path.join(HERE, "mw_worker.py")],
+        env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT
+        for line in proc.stdout:  # wait until both workers have joined and train
+            lines.append(line)
+            if sum("replicas, chief=" in l for l in lines) == 2 or time.monotonic() > deadline:
+                break
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = "".join(lines) + rest
+    assert proc.returncode == 130, out
+    assert "received SIGINT; forwarding to all workers" in out
+
+
+def test_kill_and_resume_ends_like_an_uninterrupted_run(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    common = dict(TFDP_TEST_EPOCHS=4, TFDP_TEST_OPT="adam")
+    code, out = launch(tmp_path / "a", TFDP_TEST_BACKUP=tmp_path / "backup-a", **common)
+    assert code == 0, out
+    code, out = launch(tmp_path / "b", TFDP_TEST_BACKUP=tmp_path / "backup-b",
+                       TFDP_TEST_FAIL="1:2:3:kill", **common)  # mid-epoch 3
+    assert code == 137, out
+    assert (tmp_path / "backup-b").exists()
+    code, out = launch(tmp_path / "b", TFDP_TEST_BACKUP=tmp_path / "backup-b", **common)
+    assert code == 0, out
+    for rank in range(2):
+        resumed, full = load(tmp_path / "b", rank), load(tmp_path / "a", rank)
+        assert len(resumed["loss"]) == 2  # epochs 3 and 4 only
+        for got, want in zip(weights_of(resumed), weights_of(full)):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert not (tmp_path / "backup-b").exists()  # deleted by the chief at the end
+
+
+def test_bad_tf_config_is_a_clear_error():
+    env = dict(os.environ, TF_CONFIG='{"cluster": {"worker": ["127.0.0.1:x"]}, '
+                                     '"task": {"type": "worker", "index": 0}}')
+    proc = subprocess.run([sys.executable, "-c", "import tfdp; tfdp.DataParallelStrategy()"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "ClusterConfigError" in proc.stderr
+    assert "TF_CONFIG cluster.worker[0]='127.0.0.1:x'" in proc.stderr
+
+
+def test_exactly_once_across_two_workers(tmp_path):
+    from tfdp import data as tdata
+    source = tf.data.Dataset.range(90).map(lambda i: (i, tf.cast(i, tf.float32)))
+    bounds = np.cumsum([10, 40, 25, 15])  # uneven file sizes
+    tdata.write_tfrecord_shards(source, tmp_path / "files", 4,
+                                assign=lambda i: int(np.searchsorted(bounds, i, side="right")))
+    code, out = launch(tmp_path, cpu_replicas=2, script="mw_data.py",
+                       TFDP_TEST_FILES=tmp_path / "files" / "*.tfrecord")
+    assert code == 0, out
+    results = [json.loads((tmp_path / f"data-{r}.json").read_text()) for r in range(2)]
+    for key, n in [("dataset/auto", 101), ("dataset/data", 101), ("files/auto", 90),
+                   ("files/data", 90), ("files/file", 90)]:
+        union = sorted(results[0][key]["ids"] + results[1][key]["ids"])
+        assert union == list(range(n)), key  # every element once, none twice
+        assert results[0][key]["steps"] == results[1][key]["steps"] == results[0][key]["cardinality"]
+    for key, n in [("dataset/off", 101), ("files/off", 90)]:
+        for r in range(2):  # no sharding: every worker sees everything once
+            assert sorted(results[r][key]["ids"]) == list(range(n)), key
