@@ -26,6 +26,20 @@ def load_digits(test_fraction=0.2, seed=0, image=False):
     return (x[n_test:], y[n_test:]), (x[:n_test], y[:n_test])
 
 
+def build_model(keras):
+    """The examples' ConvNet for 8x8 digits (about 0.3M parameters)."""
+    return keras.Sequential([
+        keras.Input((8, 8, 1)),
+        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Flatten(),
+        keras.layers.Dense(128, activation="relu"),
+        keras.layers.Dropout(0.2),
+        keras.layers.Dense(10),
+    ])
+
+
 class Throughput:
     """A Keras callback measuring samples/s per epoch (first epoch = warm-up, excluded)."""
 

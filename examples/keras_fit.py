@@ -26,19 +26,6 @@ flags.DEFINE_boolean("sharded", False, "Wrap the optimizer in tfdp.ShardedOptimi
 flags.DEFINE_float("min_accuracy", 0.0, "Exit non-zero if test accuracy ends below this.")
 
 
-def build_model(keras):
-    return keras.Sequential([
-        keras.Input((8, 8, 1)),
-        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
-        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Flatten(),
-        keras.layers.Dense(128, activation="relu"),
-        keras.layers.Dropout(0.2),
-        keras.layers.Dense(10),
-    ])
-
-
 def make_optimizer(tfdp, keras, lr):
     if FLAGS.optimizer == "adam":
         opt = keras.optimizers.Adam(lr)
@@ -55,6 +42,9 @@ def make_optimizer(tfdp, keras, lr):
 
 def main(argv):
     del argv
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.WARNING)  # TensorFlow's INFO lines are noise here
     import tfdp
 
     if not os.environ.get("TF_CONFIG"):
@@ -63,7 +53,7 @@ def main(argv):
             tfdp.configure_cpu_replicas(FLAGS.replicas)
     import keras
     import tensorflow as tf
-    from common import Throughput, load_digits
+    from common import Throughput, build_model, load_digits
 
     strategy = tfdp.DataParallelStrategy()
     replicas = strategy.num_replicas_in_sync
