@@ -7,6 +7,7 @@ from tfdp import callbacks, data, optimizers, schedules
 from tfdp.cluster import ClusterConfig, ClusterConfigError
 from tfdp.devices import configure_cpu_replicas
 from tfdp.schedules import scale_learning_rate
+from tfdp.sharding import ShardedOptimizer
 from tfdp.strategy import DataParallelStrategy
 
 __version__ = "0.1.0"
@@ -21,4 +22,5 @@ __all__ = [
     "optimizers",
     "scale_learning_rate",
     "schedules",
+    "ShardedOptimizer",
 ]

@@ -61,3 +61,54 @@ def set_distributed_dataset_cardinality(distributed_dataset, steps: int) -> None
     iteration counter. No public API sets the cardinality of a distributed dataset.
     """
     distributed_dataset._cardinality = steps  # noqa: SLF001
+
+
+# Why: MirroredStrategy creates a plain (non-mirrored) variable on one device when the
+# creator's colocate_with is a SingleDevice; ShardedOptimizer uses this to place each
+# partition's optimizer state on its owner's device only. No public API creates a
+# single-device variable inside a strategy scope.
+from tensorflow.python.distribute.numpy_dataset import SingleDevice  # noqa: E402
+
+# Why: TensorFlow exposes no all-to-all on ReplicaContext, and its reduce-scatter op has
+# no CPU kernel. The op must use the strategy's own collective launcher's group key,
+# instance keys and ordering token so it never clashes with TensorFlow's collectives.
+from tensorflow.python.ops import collective_ops as _collective_ops  # noqa: E402
+
+
+def all_to_all(launcher, value, options):
+    """``t[i]`` goes to group rank i: CollectiveAllToAllV2 with ``launcher``'s keys."""
+    import tensorflow as tf
+
+    with tf.device(launcher._device):  # noqa: SLF001
+        return _collective_ops.all_to_all_v2(
+            value, launcher._group_size, launcher._group_key,  # noqa: SLF001
+            launcher._next_instance_key(),  # noqa: SLF001
+            communication_hint=options.implementation.value,
+            timeout=options.timeout_seconds or 0,
+            ordering_token=launcher._get_ordering_token())  # noqa: SLF001
+
+
+def collective_launchers(extended):
+    """The per-local-device collective launchers of a collective strategy's extended."""
+    return extended._cross_device_ops._launchers  # noqa: SLF001
+
+
+def all_gather(launcher, value, options):
+    """Concatenation of ``value`` from every group rank along axis 0.
+
+    Why: ReplicaContext.all_gather always goes through merge_call, which cannot run inside
+    tf.cond (LossScaleOptimizer applies the inner optimizer inside one); the launcher's
+    own all-gather launches the collective directly in the replica.
+    """
+    return launcher._all_gather(value, options)  # noqa: SLF001
+
+
+def local_replica_id(replica_context) -> int:
+    """The replica's index among this worker's devices, as a Python int.
+
+    Why: ``replica_id_in_sync_group`` is a tensor inside tf.function and
+    ``ReplicaContext.devices`` is empty in multi-worker mode; ShardedOptimizer needs a
+    trace-time integer to know which partition this replica updates. TensorFlow indexes its
+    own collective launchers with this attribute.
+    """
+    return replica_context._replica_id  # noqa: SLF001

@@ -135,28 +135,64 @@ def all_reduce(value, op=tf.distribute.ReduceOp.SUM):
 
 
 def all_gather(value, axis=0):
-    """Concatenates ``value`` from every replica (in replica order) along ``axis``."""
-    ctx = tf.distribute.get_replica_context()
-    return ctx.all_gather(value, axis=axis, options=_options(ctx.strategy))
+    """Concatenates ``value`` from every replica (in replica order) along ``axis``.
 
-
-def reduce_scatter(value, num_replicas=None):
-    """Sums ``value`` over replicas and returns this replica's 1/R slice along axis 0.
-
-    ``value``'s first dimension must be divisible by the replica count R. TensorFlow's
-    CollectiveReduceScatterV2 has no CPU kernel, so on every device this is built from an
-    all-to-all: replica r receives slice r from each peer and sums them locally (the same
-    bytes on the wire as a ring reduce-scatter).
+    Launched directly in the replica (no merge_call), so it also works inside tf.cond.
+    Must run inside a tf.function.
     """
     ctx = tf.distribute.get_replica_context()
-    num_replicas = num_replicas or ctx.num_replicas_in_sync
-    if num_replicas == 1:
-        return value
     strategy = ctx.strategy
-    exchanged = strategy.extended._tfdp_all_to_all(value, ctx)
-    rows = tf.shape(value)[0] // num_replicas
-    parts = tf.reshape(exchanged, tf.concat([[num_replicas, rows], tf.shape(value)[1:]], 0))
-    return tf.reduce_sum(parts, axis=0)
+    if ctx.num_replicas_in_sync == 1:
+        return value
+    launcher = _tf_private.collective_launchers(strategy.extended)[local_replica_index(strategy)]
+    if axis != 0:
+        value = tf.experimental.numpy.moveaxis(value, axis, 0)
+    gathered = _tf_private.all_gather(launcher, value, _options(strategy))
+    if axis != 0:
+        gathered = tf.experimental.numpy.moveaxis(gathered, 0, axis)
+    return gathered
+
+
+def local_replica_index(strategy=None) -> int:
+    """This replica's index among the worker's local devices (a Python int)."""
+    del strategy
+    return _tf_private.local_replica_id(tf.distribute.get_replica_context())
+
+
+def reduce_scatter(value, strategy=None):
+    """Sums ``value`` over all replicas; returns this replica's row.
+
+    Args:
+        value: shape ``[R, S]`` where R is the number of replicas in sync; row k is the
+            part destined for replica k.
+
+    Returns:
+        Shape ``[S]``: the sum over replicas of row ``replica_id`` (this replica's).
+
+    TensorFlow's CollectiveReduceScatterV2 has no CPU kernel, so this is an all-to-all
+    (replica k receives row k from every peer, R·S elements in all, as a ring
+    reduce-scatter moves) followed by a local sum. Where TensorFlow's all-to-all ranks do
+    not follow replica order (see strategy.py) it falls back to all-reduce + slice.
+    """
+    ctx = tf.distribute.get_replica_context()
+    strategy = strategy or ctx.strategy
+    num_replicas = ctx.num_replicas_in_sync
+    replica_id = global_replica_id(strategy)
+    if num_replicas == 1:
+        return value[0]
+    if not strategy.extended._tfdp_all_to_all_is_ordered:
+        return all_reduce(value)[replica_id]
+    received = strategy.extended._tfdp_all_to_all(value, local_replica_index(strategy))
+    return tf.reduce_sum(received, axis=0)
+
+
+def global_replica_id(strategy=None) -> int:
+    """This replica's position among all replicas of all workers (a Python int)."""
+    ctx = tf.distribute.get_replica_context()
+    strategy = strategy or ctx.strategy
+    cluster = getattr(strategy, "cluster", None)
+    rank = cluster.rank if cluster is not None else 0
+    return rank * len(strategy.extended.worker_devices) + local_replica_index(strategy)
 
 
 # --- Keras gradient hooks --------------------------------------------------------------

@@ -134,12 +134,18 @@ class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
             kwargs["aggregation"] = tf.VariableAggregation.NONE
         return super()._create_variable(next_creator, **kwargs)
 
-    def _tfdp_all_to_all(self, value, replica_ctx):
+    def _tfdp_all_to_all(self, value, local_index):
         """All-to-all over every replica, with keys from this strategy's own launcher."""
-        replica_id = replica_ctx.replica_id_in_sync_group
-        local_id = replica_ctx._replica_id  # noqa: SLF001  index among local devices
-        launcher = self._cross_device_ops._launchers[local_id]
-        return launcher.all_to_all(value, self._communication_options)
+        launcher = _tf_private.collective_launchers(self)[local_index]
+        return _tf_private.all_to_all(launcher, value, self._communication_options)
+
+    @property
+    def _tfdp_all_to_all_is_ordered(self):
+        # Measured: with device or task indices of two digits, TensorFlow's all-to-all
+        # group ranks no longer follow replica order (all-gather's still do), so
+        # reduce-scatter falls back to all-reduce + slice there.
+        indices = [tf.DeviceSpec.from_string(d).device_index for d in self.worker_devices]
+        return max(indices) < 10 and self._num_workers <= 10
 
 
 class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):

@@ -1,0 +1,211 @@
+"""ShardedOptimizer (ZeRO-1): equivalence with the unsharded optimizer, memory, the
+partition rule, and topology-free checkpoints."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import keras
+
+import tfdp
+from tfdp.sharding import optimizer_state_bytes_per_replica, partition
+from helpers import (assert_weights_close, classification_data, cpu_devices, initial_weights,
+                     mlp, train)
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+    "adam_global_clipnorm": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.3),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
+    "lars": lambda: tfdp.optimizers.LARS(2.0, weight_decay=1e-3),
+    "lamb": lambda: tfdp.optimizers.LAMB(0.02, weight_decay=1e-2, global_clipnorm=1.0),
+    "adam_clipnorm": lambda: keras.optimizers.Adam(0.01, clipnorm=0.05),
+}
+
+
+def deep_mlp():
+    return keras.Sequential([keras.Input((8,))] + [
+        keras.layers.Dense(w, activation="tanh") for w in (24, 16, 12, 20, 8)] + [keras.layers.Dense(3)])
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_sharded_equals_unsharded(replicas, opt_name):
+    x, y = classification_data()
+    w0 = initial_weights(deep_mlp)
+    make = OPTIMIZERS[opt_name]
+    ref, ref_hist = train(None, deep_mlp, make, x, y, 64, weights=w0)
+    s = tfdp.DataParallelStrategy(devices=cpu_devices(replicas))
+    got, hist = train(s, deep_mlp, lambda: tfdp.ShardedOptimizer(make()), x, y, 64, weights=w0)
+    assert_weights_close(got.get_weights(), ref.get_weights())
+    np.testing.assert_allclose(hist["loss"], ref_hist["loss"], rtol=1e-5)
+    # Every replica holds identical weights after the all-gather.
+    for var in got.trainable_variables:
+        parts = [np.asarray(p) for p in s.experimental_local_results(var.value)]
+        for p in parts[1:]:
+            np.testing.assert_array_equal(p, parts[0])
+    # State really is partitioned: each slot exists on its owner's device only.
+    opt = got.optimizer
+    owners = {opt.owner_of(v) for v in got.trainable_variables}
+    assert owners == set(range(replicas))
+    for slot, index in opt._book.slots:
+        owner = opt._owners[index]
+        assert tf.DeviceSpec.from_string(slot.value.device).device_index == owner
+
+
+def test_partition_rule():
+    assert partition([10, 10, 10, 10], 2) == [0, 1, 0, 1]
+    assert partition([100, 1, 1, 1], 2) == [0, 1, 1, 1]  # a dominant variable is its own shard
+    assert partition([5], 4) == [0]
+    rng = np.random.default_rng(0)
+    sizes = list(rng.integers(1, 5000, size=200))
+    for n in (2, 4, 8):
+        owners = partition(sizes, n)
+        loads = np.bincount(owners, weights=sizes, minlength=n)
+        assert loads.max() <= 1.10 * sum(sizes) / n
+    with pytest.raises(ValueError):
+        partition([1], 0)
+
+
+def many_variable_model():
+    widths = [64, 48, 64, 32, 64, 40, 56, 32, 64, 48, 24, 64]
+    return keras.Sequential([keras.Input((32,))] + [keras.layers.Dense(w, activation="relu") for w in widths]
+                            + [keras.layers.Dense(10)])
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_state_per_replica_is_about_one_nth(replicas):
+    s = tfdp.DataParallelStrategy(devices=cpu_devices(replicas))
+    with s.scope():
+        model = many_variable_model()
+        unsharded = keras.optimizers.Adam()
+        unsharded.build(model.trainable_variables)
+        sharded = tfdp.ShardedOptimizer(keras.optimizers.Adam())
+        sharded.build(model.trainable_variables)
+    full = optimizer_state_bytes_per_replica(unsharded, s)
+    assert len(set(full)) == 1  # unsharded: everything on every replica
+    per_replica = sharded.state_bytes_per_replica()
+    assert len(per_replica) == replicas
+    assert sum(per_replica) < full[0] * 1.05  # the whole state exists about once
+    for b in per_replica:
+        assert b <= 1.10 * full[0] / replicas
+
+
+def _fit_steps(strategy, x, y, weights, opt_state_from=None, epochs=1, sharded=True):
+    make = OPTIMIZERS["adam_global_clipnorm"]
+    scope = strategy.scope() if strategy else tf.distribute.get_strategy().scope()
+    with scope:
+        model = deep_mlp()
+        model.set_weights(weights)
+        opt = tfdp.ShardedOptimizer(make()) if sharded else make()
+        model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        if opt_state_from:
+            opt.build(model.trainable_variables)
+            model.load_weights(opt_state_from)
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(64), epochs=epochs, verbose=0)
+    return model
+
+
+@pytest.mark.parametrize("before,after", [(4, 2), (2, 1), (1, 4)])
+def test_checkpoint_restores_on_another_replica_count(tmp_path, before, after):
+    x, y = classification_data()
+    w0 = initial_weights(deep_mlp)
+    strategy = lambda n: tfdp.DataParallelStrategy(devices=cpu_devices(n))  # noqa: E731
+    reference = _fit_steps(None, x, y, w0, epochs=2, sharded=False)
+
+    first = _fit_steps(strategy(before), x, y, w0)
+    first.save_weights(tmp_path / "ckpt.weights.h5")
+    resumed = _fit_steps(strategy(after), x, y, first.get_weights(),
+                         opt_state_from=tmp_path / "ckpt.weights.h5")
+    assert_weights_close(resumed.get_weights(), reference.get_weights())
+    # The iteration counters came back too (bias correction depends on them).
+    assert int(resumed.optimizer.inner_optimizer.iterations.numpy()) == 8
+
+
+def test_model_save_and_load_model(tmp_path):
+    x, y = classification_data()
+    w0 = initial_weights(deep_mlp)
+    model = _fit_steps(tfdp.DataParallelStrategy(devices=cpu_devices(4)), x, y, w0)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert isinstance(loaded.optimizer, tfdp.ShardedOptimizer)
+    assert isinstance(loaded.optimizer.inner_optimizer, keras.optimizers.Adam)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(64)
+    loaded.fit(ds, epochs=1, verbose=0)
+    reference = _fit_steps(None, x, y, w0, epochs=2, sharded=False)
+    assert_weights_close(loaded.get_weights(), reference.get_weights())
+
+
+def test_config_round_trip():
+    opt = tfdp.ShardedOptimizer(tfdp.optimizers.LAMB(0.01, weight_decay=0.1))
+    restored = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
+    assert isinstance(restored, tfdp.ShardedOptimizer)
+    assert restored.inner_optimizer.get_config() == opt.inner_optimizer.get_config()
+
+
+def test_learning_rate_schedule_and_sparse_gradients():
+    vocab, dim = 50, 8
+
+    def model_fn():
+        return keras.Sequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(vocab, dim),
+                                 keras.layers.Flatten(), keras.layers.Dense(3)])
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, vocab, size=(256, 4)).astype("int32")
+    y = rng.integers(0, 3, size=256).astype("int32")
+    w0 = initial_weights(model_fn)
+    schedule = lambda: tfdp.schedules.WarmupCosineDecay(0.05, warmup_steps=3, total_steps=8)  # noqa: E731
+    ref, _ = train(None, model_fn, lambda: keras.optimizers.Adam(schedule()), x, y, 64, weights=w0)
+    got, _ = train(tfdp.DataParallelStrategy(devices=cpu_devices(4)), model_fn,
+                   lambda: tfdp.ShardedOptimizer(keras.optimizers.Adam(schedule())), x, y, 64, weights=w0)
+    assert_weights_close(got.get_weights(), ref.get_weights())
+
+
+def test_loss_scale_optimizer_mixed_precision():
+    x, y = classification_data()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        def make():
+            return keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation="relu"),
+                                     keras.layers.Dense(3, dtype="float32")])
+        w0 = initial_weights(make)
+        ref, _ = train(None, make, lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01)),
+                       x, y, 64, weights=w0)
+        got, hist = train(tfdp.DataParallelStrategy(devices=cpu_devices(2)), make,
+                          lambda: keras.optimizers.LossScaleOptimizer(
+                              tfdp.ShardedOptimizer(keras.optimizers.Adam(0.01))), x, y, 64, weights=w0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert np.isfinite(hist["loss"]).all()
+    assert_weights_close(got.get_weights(), ref.get_weights(), atol=2e-3, rtol=2e-3)
+
+
+def test_bad_usage_is_a_clear_error():
+    with pytest.raises(TypeError, match="keras.optimizers.Optimizer"):
+        tfdp.ShardedOptimizer("adam")
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        tfdp.ShardedOptimizer(keras.optimizers.SGD(gradient_accumulation_steps=2))
+    with pytest.raises(TypeError, match="LossScaleOptimizer\\(ShardedOptimizer"):
+        tfdp.ShardedOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
+    mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with mirrored.scope():
+        model = mlp()
+        opt = tfdp.ShardedOptimizer(keras.optimizers.SGD())
+        with pytest.raises(ValueError, match="needs tfdp.DataParallelStrategy"):
+            opt.build(model.trainable_variables)
+
+
+@pytest.mark.parametrize("before,after", [(4, 2), (1, 4)])
+def test_tf_train_checkpoint_restores_on_another_replica_count(tmp_path, before, after):
+    x, y = classification_data()
+    w0 = initial_weights(deep_mlp)
+    reference = _fit_steps(None, x, y, w0, epochs=2, sharded=False)
+    first = _fit_steps(tfdp.DataParallelStrategy(devices=cpu_devices(before)), x, y, w0)
+    path = tf.train.Checkpoint(model=first, optimizer=first.optimizer).save(str(tmp_path / "ckpt"))
+
+    s = tfdp.DataParallelStrategy(devices=cpu_devices(after))
+    with s.scope():
+        model = deep_mlp()
+        opt = tfdp.ShardedOptimizer(OPTIMIZERS["adam_global_clipnorm"]())
+        model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        opt.build(model.trainable_variables)
+    tf.train.Checkpoint(model=model, optimizer=opt).restore(path).assert_existing_objects_matched()
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(64), epochs=1, verbose=0)
+    assert_weights_close(model.get_weights(), reference.get_weights())
