@@ -1,0 +1,38 @@
+"""Formulas used by the tools (no tool is run here), and a smoke run of the main example."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+
+def test_ring_allreduce_alpha_beta_model():
+    import scaling_model as sm
+    assert sm.ring_allreduce_seconds(1, 1e9, 1e-5, 1e9) == 0.0
+    # 2(n-1) latency hops + 2(n-1)/n of the bytes over the link.
+    assert sm.ring_allreduce_seconds(4, 4e9, 1e-3, 2e9) == pytest.approx(6e-3 + 1.5 * 2.0)
+    assert sm.efficiency(1.0, 0.5, overlap=0.0) == pytest.approx(1 / 1.5)
+    assert sm.efficiency(1.0, 0.5, overlap=0.5) == pytest.approx(1.0)
+
+
+def test_nccl_tests_bus_bandwidth_factors():
+    import bench_allreduce as ba
+    assert ba.bus_factor("all_reduce", 4) == pytest.approx(1.5)
+    assert ba.bus_factor("tf_all_reduce", 8) == pytest.approx(1.75)
+    assert ba.bus_factor("reduce_scatter", 4) == pytest.approx(0.75)
+    assert ba.bus_factor("all_gather", 2) == pytest.approx(0.5)
+
+
+@pytest.mark.slow
+def test_keras_fit_example_trains_to_a_reported_accuracy():
+    env = dict(os.environ)
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "keras_fit.py"),
+                           "--epochs", "8", "--replicas", "2", "--min_accuracy", "0.85"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "test accuracy:" in proc.stdout and "samples/s" in proc.stdout
