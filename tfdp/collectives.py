@@ -91,6 +91,8 @@ def all_reduce_gradients(grads, strategy=None):
     all-gather of indices and values) and are never compressed.
     """
     ctx = tf.distribute.get_replica_context()
+    if ctx.num_replicas_in_sync == 1:
+        return list(grads)  # nothing to reduce: skip the packing and the group-of-one collective
     strategy = strategy or ctx.strategy
     bucket_bytes = strategy.bucket_bytes
     compression = strategy.compression

@@ -47,13 +47,38 @@ def steps_for_epochs(epochs: float, examples_per_epoch: int, global_batch_size: 
     return max(0, round(epochs * examples_per_epoch / global_batch_size))
 
 
-def _warmup(step, peak, warmup_steps, initial):
-    frac = ops.cast(step, "float32") / ops.maximum(float(warmup_steps), 1.0)
-    return initial + (peak - initial) * ops.minimum(frac, 1.0)
+class _WarmupThenDecay(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warmup from ``initial_learning_rate`` to ``peak_learning_rate`` over
+    ``warmup_steps``, then ``self._decay(progress)`` with progress 0 -> 1 at ``total_steps``."""
+
+    def __init__(self, peak_learning_rate, warmup_steps, total_steps, initial_learning_rate, name):
+        if total_steps < warmup_steps:
+            raise ValueError(f"total_steps={total_steps} must be >= warmup_steps={warmup_steps}.")
+        self.peak_learning_rate = peak_learning_rate
+        self.warmup_steps = int(warmup_steps)
+        self.total_steps = int(total_steps)
+        self.initial_learning_rate = initial_learning_rate
+        self.name = name
+
+    def _decay(self, progress):
+        raise NotImplementedError
+
+    def __call__(self, step):
+        step = ops.cast(step, "float32")
+        progress = ops.clip((step - self.warmup_steps) / max(self.total_steps - self.warmup_steps, 1),
+                            0.0, 1.0)
+        frac = ops.minimum(step / max(float(self.warmup_steps), 1.0), 1.0)
+        warm = self.initial_learning_rate + (self.peak_learning_rate - self.initial_learning_rate) * frac
+        return ops.where(step < self.warmup_steps, warm, self._decay(progress))
+
+    def get_config(self):
+        return {"peak_learning_rate": self.peak_learning_rate, "warmup_steps": self.warmup_steps,
+                "total_steps": self.total_steps,
+                "initial_learning_rate": self.initial_learning_rate, "name": self.name}
 
 
 @keras.saving.register_keras_serializable(package="tfdp")
-class WarmupPolynomialDecay(keras.optimizers.schedules.LearningRateSchedule):
+class WarmupPolynomialDecay(_WarmupThenDecay):
     """Linear warmup from ``initial_learning_rate`` to ``peak_learning_rate`` over
     ``warmup_steps``, then polynomial decay to ``end_learning_rate`` at ``total_steps``
     (LAMB paper: power 1.0). Constant at ``end_learning_rate`` after ``total_steps``.
@@ -69,34 +94,21 @@ class WarmupPolynomialDecay(keras.optimizers.schedules.LearningRateSchedule):
 
     def __init__(self, peak_learning_rate, warmup_steps, total_steps, end_learning_rate=0.0,
                  power=1.0, initial_learning_rate=0.0, name=None):
-        if total_steps < warmup_steps:
-            raise ValueError(f"total_steps={total_steps} must be >= warmup_steps={warmup_steps}.")
-        self.peak_learning_rate = peak_learning_rate
-        self.warmup_steps = int(warmup_steps)
-        self.total_steps = int(total_steps)
+        super().__init__(peak_learning_rate, warmup_steps, total_steps, initial_learning_rate, name)
         self.end_learning_rate = end_learning_rate
         self.power = power
-        self.initial_learning_rate = initial_learning_rate
-        self.name = name
 
-    def __call__(self, step):
-        step = ops.cast(step, "float32")
-        decay_steps = max(self.total_steps - self.warmup_steps, 1)
-        progress = ops.clip((step - self.warmup_steps) / decay_steps, 0.0, 1.0)
-        decayed = (self.peak_learning_rate - self.end_learning_rate) * (
-            (1.0 - progress) ** self.power) + self.end_learning_rate
-        warm = _warmup(step, self.peak_learning_rate, self.warmup_steps, self.initial_learning_rate)
-        return ops.where(step < self.warmup_steps, warm, decayed)
+    def _decay(self, progress):
+        span = self.peak_learning_rate - self.end_learning_rate
+        return span * (1.0 - progress) ** self.power + self.end_learning_rate
 
     def get_config(self):
-        return {"peak_learning_rate": self.peak_learning_rate, "warmup_steps": self.warmup_steps,
-                "total_steps": self.total_steps, "end_learning_rate": self.end_learning_rate,
-                "power": self.power, "initial_learning_rate": self.initial_learning_rate,
-                "name": self.name}
+        return {**super().get_config(), "end_learning_rate": self.end_learning_rate,
+                "power": self.power}
 
 
 @keras.saving.register_keras_serializable(package="tfdp")
-class WarmupCosineDecay(keras.optimizers.schedules.LearningRateSchedule):
+class WarmupCosineDecay(_WarmupThenDecay):
     """Linear warmup to ``peak_learning_rate`` over ``warmup_steps``, then cosine decay to
     ``alpha * peak_learning_rate`` at ``total_steps`` (Goyal et al. warmup + Loshchilov &
     Hutter cosine).
@@ -111,25 +123,12 @@ class WarmupCosineDecay(keras.optimizers.schedules.LearningRateSchedule):
 
     def __init__(self, peak_learning_rate, warmup_steps, total_steps, alpha=0.0,
                  initial_learning_rate=0.0, name=None):
-        if total_steps < warmup_steps:
-            raise ValueError(f"total_steps={total_steps} must be >= warmup_steps={warmup_steps}.")
-        self.peak_learning_rate = peak_learning_rate
-        self.warmup_steps = int(warmup_steps)
-        self.total_steps = int(total_steps)
+        super().__init__(peak_learning_rate, warmup_steps, total_steps, initial_learning_rate, name)
         self.alpha = alpha
-        self.initial_learning_rate = initial_learning_rate
-        self.name = name
 
-    def __call__(self, step):
-        step = ops.cast(step, "float32")
-        decay_steps = max(self.total_steps - self.warmup_steps, 1)
-        progress = ops.clip((step - self.warmup_steps) / decay_steps, 0.0, 1.0)
+    def _decay(self, progress):
         cosine = 0.5 * (1.0 + ops.cos(math.pi * progress))
-        decayed = self.peak_learning_rate * ((1.0 - self.alpha) * cosine + self.alpha)
-        warm = _warmup(step, self.peak_learning_rate, self.warmup_steps, self.initial_learning_rate)
-        return ops.where(step < self.warmup_steps, warm, decayed)
+        return self.peak_learning_rate * ((1.0 - self.alpha) * cosine + self.alpha)
 
     def get_config(self):
-        return {"peak_learning_rate": self.peak_learning_rate, "warmup_steps": self.warmup_steps,
-                "total_steps": self.total_steps, "alpha": self.alpha,
-                "initial_learning_rate": self.initial_learning_rate, "name": self.name}
+        return {**super().get_config(), "alpha": self.alpha}

@@ -13,13 +13,15 @@ tensors with and without buckets and compression.
 
 from __future__ import annotations
 
-import csv
 import os
+import sys
 import time
 
 from absl import app, flags, logging as absl_logging
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("replicas", 4, "Logical CPU replicas.")
@@ -140,20 +142,13 @@ def main(argv):
                      f"{r['algbw_GBps']:.2f} | {r['busbw_GBps']:.2f} |")
     lines += ["", "| gradients | reduction | time (ms) |", "|---|---|---:|"]
     lines += [f"| {m} MiB in 64 tensors | {label} | {t * 1e3:.2f} |" for m, label, t in grad_rows]
-    report = "\n".join(lines)
-    print("\n" + report)
+    text = "\n".join(lines)
+    print("\n" + text)
     if not FLAGS.out:
         return
-    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-    with open(FLAGS.out + ".csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    with open(FLAGS.out + ".md", "w") as f:
-        f.write("# Collective bandwidth (tools/bench_allreduce.py)\n\n" + report + "\n")
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    report.write_csv(FLAGS.out + ".csv", rows)
+    report.write_text(FLAGS.out + ".md", "# Collective bandwidth (tools/bench_allreduce.py)\n\n" + text)
+    plt = report.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for (impl, op), style in ((("tfdp", "all_reduce"), "o-"), (("tf-mirrored", "all_reduce"), "s--"),
                               (("tfdp", "reduce_scatter"), "^-"), (("tfdp", "all_gather"), "v-")):
@@ -165,8 +160,7 @@ def main(argv):
     ax.set_ylabel("bus bandwidth (GB/s)")
     ax.set_title(f"{n} logical CPU replicas, 2 cores")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(FLAGS.out + ".png", dpi=110)
+    report.save_figure(fig, FLAGS.out + ".png")
     print(f"wrote {FLAGS.out}.md/.csv/.png")
 
 

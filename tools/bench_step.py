@@ -12,7 +12,6 @@ tfdp.data against training throughput.
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import subprocess
@@ -24,6 +23,8 @@ from absl import app, flags, logging as absl_logging
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import report  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mlp", "convnet", "transformer"], "Models to measure.")
@@ -150,8 +151,10 @@ def run_child(args, multi_worker=False):
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
                if "RESULT " in line]
     if proc.returncode != 0 or not results:
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
-        return None, " | ".join(tail)
+        errors = [l for l in (proc.stdout + proc.stderr).splitlines()
+                  if "Error" in l and "oneDNN" not in l]
+        tail = errors[-2:] or (proc.stdout + proc.stderr).strip().splitlines()[-2:]
+        return None, " | ".join(t.strip()[:300] for t in tail)
     return results[0], None  # worker 0's line comes first with tfdp-run? take any: they agree
 
 
@@ -228,23 +231,16 @@ def main(argv):
         for n, vals in sorted(by_n.items()):
             inp, trn = np.median([v[0] for v in vals]), np.median([v[1] for v in vals])
             lines.append(f"| | {n} | {inp:,.0f} | {trn:,.0f} | {inp / trn:.1f} |")
-    report = "\n".join(lines)
-    print("\n" + report + "\n\n" + "\n".join(f"note: {n}" for n in notes))
+    text = "\n".join(lines)
+    print("\n" + text + "\n\n" + "\n".join(f"note: {n}" for n in notes))
     if FLAGS.out:
-        os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-        with open(FLAGS.out + ".csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
-        with open(FLAGS.out + ".md", "w") as f:
-            f.write("# model.fit throughput (tools/bench_step.py)\n\n"
+        report.write_csv(FLAGS.out + ".csv", rows)
+        report.write_text(FLAGS.out + ".md", "# model.fit throughput (tools/bench_step.py)\n\n"
                     f"Median samples/s over {FLAGS.rounds} interleaved rounds x {FLAGS.windows} "
                     f"windows of {FLAGS.steps} steps; SGD+momentum; synthetic data; per-replica "
                     f"batch {PER_REPLICA_BATCH}. 2-core CPU host, logical CPU replicas.\n\n"
-                    + report + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n")
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+                          + text + "\n\n" + "\n".join(f"- {n}" for n in notes))
+        plt = report.pyplot()
         fig, axes = plt.subplots(1, len(FLAGS.models), figsize=(4.5 * len(FLAGS.models), 3.6))
         for ax, model in zip(np.atleast_1d(axes), FLAGS.models):
             for kind, style in (("mirrored", "s--"), ("tfdp", "o-")):
@@ -257,8 +253,7 @@ def main(argv):
             ax.set_xlabel("CPU replicas (2 physical cores)")
             ax.set_ylabel("samples/s")
             ax.legend()
-        fig.tight_layout()
-        fig.savefig(FLAGS.out + ".png", dpi=110)
+        report.save_figure(fig, FLAGS.out + ".png")
         print(f"wrote {FLAGS.out}.md/.csv/.png")
 
 

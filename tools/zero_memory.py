@@ -21,7 +21,7 @@ flags.DEFINE_list("replicas", ["1", "2", "4", "8"], "Replica counts for the memo
 flags.DEFINE_integer("width", 256, "Hidden width of the model (a deep MLP with many variables).")
 flags.DEFINE_integer("depth", 12, "Hidden layers.")
 flags.DEFINE_integer("time_replicas", 4, "Replicas for the step-time comparison.")
-flags.DEFINE_integer("windows", 5, "Interleaved timing windows per variant.")
+flags.DEFINE_integer("windows", 11, "Interleaved timing windows per variant.")
 flags.DEFINE_integer("steps_per_window", 20, "Training steps per timing window.")
 flags.DEFINE_string("out", "docs/zero_memory.md", "Markdown report ('' to skip).")
 

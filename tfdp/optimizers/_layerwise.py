@@ -48,6 +48,16 @@ class LayerAdaptationMixin:
     decay are also excluded from layer adaptation (unless ``always_adapt`` is set).
     """
 
+    def _set_layerwise_options(self, epsilon, trust_ratio_clip, always_adapt):
+        """Validates and stores the options LARS and LAMB share."""
+        if epsilon < 0:
+            raise ValueError(f"epsilon={epsilon} must be >= 0.")
+        if trust_ratio_clip is not None and trust_ratio_clip <= 0:
+            raise ValueError(f"trust_ratio_clip={trust_ratio_clip} must be positive or None.")
+        self.epsilon = epsilon
+        self.trust_ratio_clip = trust_ratio_clip
+        self.always_adapt = always_adapt
+
     def exclude_from_layer_adaptation(self, var_list=None, var_names=None):
         """Exclude variables from the trust ratio (they take plain, unscaled steps).
 

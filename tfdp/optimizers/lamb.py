@@ -47,16 +47,10 @@ class LAMB(_layerwise.LayerAdaptationMixin, keras.optimizers.Optimizer):
         for label, beta in (("beta_1", beta_1), ("beta_2", beta_2)):
             if not 0.0 <= beta < 1.0:
                 raise ValueError(f"{label}={beta} must be in [0, 1).")
-        if epsilon < 0:
-            raise ValueError(f"epsilon={epsilon} must be >= 0.")
-        if trust_ratio_clip is not None and trust_ratio_clip <= 0:
-            raise ValueError(f"trust_ratio_clip={trust_ratio_clip} must be positive or None.")
+        self._set_layerwise_options(epsilon, trust_ratio_clip, always_adapt)
         self.beta_1 = beta_1
         self.beta_2 = beta_2
-        self.epsilon = epsilon
         self.bias_correction = bias_correction
-        self.trust_ratio_clip = trust_ratio_clip
-        self.always_adapt = always_adapt
 
     def build(self, var_list):
         if self.built:

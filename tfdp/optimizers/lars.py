@@ -52,17 +52,11 @@ class LARS(_layerwise.LayerAdaptationMixin, keras.optimizers.Optimizer):
             raise ValueError(f"momentum={momentum} must be in [0, 1].")
         if trust_coefficient <= 0:
             raise ValueError(f"trust_coefficient={trust_coefficient} must be positive.")
-        if epsilon < 0:
-            raise ValueError(f"epsilon={epsilon} must be >= 0.")
-        if trust_ratio_clip is not None and trust_ratio_clip <= 0:
-            raise ValueError(f"trust_ratio_clip={trust_ratio_clip} must be positive or None.")
+        self._set_layerwise_options(epsilon, trust_ratio_clip, always_adapt)
         self.momentum = momentum
         self.nesterov = nesterov
         self.trust_coefficient = trust_coefficient
-        self.epsilon = epsilon
         self.classic_momentum = classic_momentum
-        self.trust_ratio_clip = trust_ratio_clip
-        self.always_adapt = always_adapt
 
     def build(self, var_list):
         if self.built:
