@@ -75,6 +75,9 @@ def test_files_round_trip_with_uneven_sizes(strategy, tmp_path):
         steps = collect(strategy, dist)
         assert flat(steps) == list(range(50)), policy
         assert len(steps) == dist.cardinality
+    # A plain list of files with a parse function works the same way.
+    dist = tdata.distribute(strategy, paths, 8, parse_fn=tdata.tfrecord_parser(source.element_spec))
+    assert flat(collect(strategy, dist)) == list(range(50))
 
 
 def test_input_function_gets_the_context(strategy):
@@ -118,6 +121,8 @@ def test_errors_name_the_problem(strategy, tmp_path):
         tdata.distribute(strategy, tdata.Files(str(tmp_path / "none-*")), 4)
     with pytest.raises(tdata.DataShardingError, match="cannot distribute a list"):
         tdata.distribute(strategy, [1, 2, 3], 4)
+    with pytest.raises(tdata.DataShardingError, match="parse_fn applies to file sources"):
+        tdata.distribute(strategy, tf.data.Dataset.range(4), 4, parse_fn=lambda r: r)
     with pytest.raises(tdata.DataShardingError, match="must shard itself"):
         tdata.distribute(strategy, lambda ctx: tf.data.Dataset.range(4), 4, shard_policy="data")
     assert issubclass(tdata.DataShardingError, ValueError)

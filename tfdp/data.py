@@ -134,12 +134,13 @@ def choose_shard_policy(requested: str, num_workers: int, num_files: int | None)
 
 
 def distribute(strategy, dataset_or_fn, global_batch_size, shard_policy="auto", *,
-               shuffle_buffer=None, seed=0, drop_remainder=False, prefetch=True):
+               shuffle_buffer=None, seed=0, drop_remainder=False, prefetch=True, parse_fn=None):
     """Shards, batches per replica and prefetches an input pipeline for ``strategy``.
 
     Args:
         strategy: a ``tf.distribute.Strategy`` (``tfdp.DataParallelStrategy`` or any other).
-        dataset_or_fn: a dataset of unbatched elements, a ``tfdp.data.Files``, or a
+        dataset_or_fn: a dataset of unbatched elements, a ``tfdp.data.Files``, a file
+            pattern or list of TFRecord files/patterns (read with ``parse_fn``), or a
             function of ``tf.distribute.InputContext`` returning unbatched elements.
         global_batch_size: examples per step across all replicas of all workers.
         shard_policy: ``"auto"``, ``"file"``, ``"data"`` or ``"off"`` (module docstring).
@@ -148,6 +149,7 @@ def distribute(strategy, dataset_or_fn, global_batch_size, shard_policy="auto", 
         seed: the shuffle seed, shared by all workers.
         drop_remainder: drop the last partial global batch (see module docstring).
         prefetch: ``prefetch(AUTOTUNE)`` per replica.
+        parse_fn: for a pattern or list of files: maps one record to one element.
 
     Returns:
         A ``tf.distribute.DistributedDataset`` for ``model.fit`` or a custom loop.
@@ -157,6 +159,13 @@ def distribute(strategy, dataset_or_fn, global_batch_size, shard_policy="auto", 
             FILE sharding, or a source that cannot be sharded the requested way. Raised on
             every worker before any collective starts.
     """
+    if isinstance(dataset_or_fn, (str, os.PathLike)) or (
+            isinstance(dataset_or_fn, (list, tuple)) and dataset_or_fn
+            and all(isinstance(p, (str, os.PathLike)) for p in dataset_or_fn)):
+        dataset_or_fn = Files(dataset_or_fn, parse_fn=parse_fn)
+    elif parse_fn is not None:
+        raise DataShardingError("parse_fn applies to file sources only; map the dataset yourself "
+                                "or pass tfdp.data.Files(patterns, parse_fn).")
     num_replicas = strategy.num_replicas_in_sync
     per_replica = per_replica_batch_size(global_batch_size, num_replicas)
     num_workers = _num_workers(strategy)
