@@ -1,4 +1,5 @@
-"""Formulas used by the tools (no tool is run here), and a smoke run of the main example."""
+"""Formulas used by the tools (tools/collective_math.py; no tool is run here), and a smoke
+run of the main example."""
 
 import os
 import subprocess
@@ -11,7 +12,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 
 def test_ring_allreduce_alpha_beta_model():
-    import scaling_model as sm
+    import collective_math as sm
     assert sm.ring_allreduce_seconds(1, 1e9, 1e-5, 1e9) == 0.0
     # 2(n-1) latency hops + 2(n-1)/n of the bytes over the link.
     assert sm.ring_allreduce_seconds(4, 4e9, 1e-3, 2e9) == pytest.approx(6e-3 + 1.5 * 2.0)
@@ -20,7 +21,7 @@ def test_ring_allreduce_alpha_beta_model():
 
 
 def test_nccl_tests_bus_bandwidth_factors():
-    import bench_allreduce as ba
+    import collective_math as ba
     assert ba.bus_factor("all_reduce", 4) == pytest.approx(1.5)
     assert ba.bus_factor("tf_all_reduce", 8) == pytest.approx(1.75)
     assert ba.bus_factor("reduce_scatter", 4) == pytest.approx(0.75)

@@ -22,6 +22,7 @@ from absl import app, flags, logging as absl_logging
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402
+from collective_math import bus_factor  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("replicas", 4, "Logical CPU replicas.")
@@ -29,11 +30,6 @@ flags.DEFINE_integer("min_kib", 4, "Smallest message, KiB.")
 flags.DEFINE_integer("max_mib", 256, "Largest message, MiB.")
 flags.DEFINE_integer("repeats", 5, "Timed repetitions per point (median reported).")
 flags.DEFINE_string("out", "docs/bench_allreduce", "Output prefix ('' to skip).")
-
-
-def bus_factor(op: str, n: int) -> float:
-    """nccl-tests bus-bandwidth factor."""
-    return 2 * (n - 1) / n if op.endswith("all_reduce") else (n - 1) / n
 
 
 def memcpy_bandwidth(nbytes=256 << 20):

@@ -24,6 +24,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402
+from collective_math import efficiency, ring_allreduce_seconds  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_float("bandwidth_gbit", 25.0, "Per-GPU network bandwidth, Gbit/s (Horovod's RoCE: 25).")
@@ -41,18 +42,6 @@ MODELS = {
     "BERT-large": (340e6, 0.60, "seq 128, batch 32/GPU, mixed precision on a V100"),
 }
 GPU_COUNTS = (8, 16, 32, 64, 128, 256, 512)
-
-
-def ring_allreduce_seconds(n: int, nbytes: float, alpha: float, bandwidth: float) -> float:
-    """Time of a ring all-reduce of ``nbytes`` over ``n`` workers (alpha-beta model)."""
-    if n <= 1:
-        return 0.0
-    return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / bandwidth
-
-
-def efficiency(compute: float, comm: float, overlap: float) -> float:
-    """Weak-scaling efficiency with ``overlap`` x compute time available to hide comm."""
-    return compute / (compute + max(0.0, comm - overlap * compute))
 
 
 def main(argv):
