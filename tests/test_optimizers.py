@@ -255,3 +255,18 @@ def test_invalid_arguments():
         LAMB(beta_1=1.0)
     with pytest.raises(ValueError, match="trust_ratio_clip"):
         LAMB(trust_ratio_clip=0)
+
+
+def test_fresh_process_load_model_finds_tfdp_classes(tmp_path):
+    """A new process that imports keras and tfdp can load a model saved with LAMB/LARS."""
+    import subprocess
+    import sys
+    x, y = classification_data()
+    model, _ = train(None, mlp, lambda: tfdp.ShardedOptimizer(LAMB(0.01, weight_decay=1e-3)), x, y, 64,
+                     epochs=1)
+    model.save(tmp_path / "m.keras")
+    code = ("import keras, tfdp; m = keras.models.load_model(%r); "
+            "print(type(m.optimizer).__name__, type(m.optimizer.inner_optimizer).__name__)"
+            % str(tmp_path / "m.keras"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().endswith("ShardedOptimizer LAMB"), out.stderr[-2000:]

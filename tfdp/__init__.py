@@ -1,26 +1,53 @@
 """tfdp: data-parallel training for TensorFlow 2 and Keras 3.
 
 Public names only; see README.md for the tour and DESIGN.md for the contract.
+
+The TensorFlow side loads lazily (PEP 562) so that the launcher (``tfdp-run``,
+``python -m tfdp.run``) and ``tfdp.cluster`` stay pure Python: importing them does not import
+TensorFlow. Everything loads on first use of any TensorFlow-side name, or at ``import tfdp``
+when Keras or TensorFlow is already imported, which registers tfdp's Keras classes (LARS,
+LAMB, ShardedOptimizer, schedules) for ``keras.models.load_model``.
 """
 
-from tfdp import callbacks, data, optimizers, schedules
+import importlib as _importlib
+import sys as _sys
+
 from tfdp.cluster import ClusterConfig, ClusterConfigError
-from tfdp.devices import configure_cpu_replicas
-from tfdp.schedules import scale_learning_rate
-from tfdp.sharding import ShardedOptimizer
-from tfdp.strategy import DataParallelStrategy
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "callbacks",
-    "ClusterConfig",
-    "ClusterConfigError",
-    "configure_cpu_replicas",
-    "data",
-    "DataParallelStrategy",
-    "optimizers",
-    "scale_learning_rate",
-    "schedules",
-    "ShardedOptimizer",
-]
+_NAMES = {
+    "configure_cpu_replicas": "tfdp.devices",
+    "DataParallelStrategy": "tfdp.strategy",
+    "scale_learning_rate": "tfdp.schedules",
+    "ShardedOptimizer": "tfdp.sharding",
+}
+_SUBMODULES = ("callbacks", "data", "optimizers", "schedules")
+_TF_SIDE = ("tfdp.devices", "tfdp.strategy", "tfdp.schedules", "tfdp.optimizers", "tfdp.sharding",
+            "tfdp.data", "tfdp.callbacks")
+
+__all__ = ["callbacks", "ClusterConfig", "ClusterConfigError", "configure_cpu_replicas", "data",
+           "DataParallelStrategy", "optimizers", "scale_learning_rate", "schedules",
+           "ShardedOptimizer"]
+
+
+def _load_tensorflow_side():
+    for module in _TF_SIDE:
+        _importlib.import_module(module)
+    for name, module in _NAMES.items():
+        globals()[name] = getattr(_sys.modules[module], name)
+
+
+def __getattr__(name):
+    if name in _NAMES or name in _SUBMODULES:
+        _load_tensorflow_side()
+        return globals()[name] if name in _NAMES else _sys.modules[f"tfdp.{name}"]
+    raise AttributeError(f"module 'tfdp' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+if "keras" in _sys.modules or "tensorflow" in _sys.modules:
+    _load_tensorflow_side()
