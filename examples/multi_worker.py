@@ -44,7 +44,8 @@ def main(argv):
 
     (x_train, y_train), (x_test, y_test) = load_digits(image=True)
     train = tfdp.data.distribute(strategy, tf.data.Dataset.from_tensor_slices((x_train, y_train)),
-                                 global_batch_size=global_batch, drop_remainder=True)
+                                 global_batch_size=global_batch, drop_remainder=True,
+                                 shuffle_buffer=len(x_train), seed=0)
     steps = len(x_train) // global_batch
     schedule = tfdp.schedules.WarmupCosineDecay(
         tfdp.scale_learning_rate(0.01, 128, global_batch, rule="sqrt"),
@@ -61,7 +62,9 @@ def main(argv):
                       metrics=["accuracy"])
     throughput = Throughput(steps * global_batch)
     backup = tfdp.callbacks.BackupAndRestore(os.path.join(FLAGS.model_dir, "backup"))
-    history = model.fit(train, epochs=FLAGS.epochs, verbose=0, callbacks=[backup, throughput])
+    # DatasetEpoch: a relaunched job replays exactly the shuffle order it would have seen.
+    history = model.fit(train, epochs=FLAGS.epochs, verbose=0,
+                        callbacks=[backup, tfdp.callbacks.DatasetEpoch(train), throughput])
     print(f"final loss {history.history['loss'][-1]:.4f}, train accuracy "
           f"{history.history['accuracy'][-1]:.4f} (global metrics, same on every worker)")
     _, accuracy = model.evaluate(x_test, y_test, batch_size=256, verbose=0)

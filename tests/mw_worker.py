@@ -4,7 +4,7 @@ Trains a small MLP on a deterministic dataset with tfdp.DataParallelStrategy and
 this worker's final weights (and every replica's copy) to OUT/weights-<rank>.npz.
 
 Env knobs: TFDP_TEST_OUT, TFDP_TEST_EPOCHS, TFDP_TEST_GLOBAL_BATCH, TFDP_TEST_OPT,
-TFDP_TEST_BACKUP (dir: use tfdp BackupAndRestore), TFDP_TEST_FAIL="rank:epoch:batch:how"
+TFDP_TEST_BACKUP (dir: use tfdp BackupAndRestore), TFDP_TEST_SHUFFLE (shuffle + DatasetEpoch), TFDP_TEST_FAIL="rank:epoch:batch:how"
 (how = exit | kill | stop | hang-before-strategy), TFDP_TEST_TIMEOUT (strategy timeout).
 """
 
@@ -58,7 +58,9 @@ with strategy.scope():
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
 
-train = tfdp.data.distribute(strategy, tf.data.Dataset.from_tensor_slices((x, y)), global_batch)
+shuffle = bool(os.environ.get("TFDP_TEST_SHUFFLE"))
+train = tfdp.data.distribute(strategy, tf.data.Dataset.from_tensor_slices((x, y)), global_batch,
+                             shuffle_buffer=256 if shuffle else None, seed=5)
 
 
 class Fail(keras.callbacks.Callback):
@@ -76,7 +78,7 @@ class Fail(keras.callbacks.Callback):
         self.epoch = epoch
 
 
-callbacks = [Fail()]
+callbacks = [Fail()] + ([tfdp.callbacks.DatasetEpoch(train)] if shuffle else [])
 if os.environ.get("TFDP_TEST_BACKUP"):
     callbacks.insert(0, tfdp.callbacks.BackupAndRestore(os.environ["TFDP_TEST_BACKUP"]))
 history = model.fit(train, epochs=epochs, verbose=0, callbacks=callbacks)

@@ -126,3 +126,16 @@ def test_errors_name_the_problem(strategy, tmp_path):
     with pytest.raises(tdata.DataShardingError, match="must shard itself"):
         tdata.distribute(strategy, lambda ctx: tf.data.Dataset.range(4), 4, shard_policy="data")
     assert issubclass(tdata.DataShardingError, ValueError)
+
+
+def test_set_epoch_makes_the_order_a_function_of_seed_and_epoch(strategy):
+    make = lambda: tdata.distribute(strategy, tf.data.Dataset.range(64), 16, shuffle_buffer=64, seed=3)  # noqa: E731
+    a, b = make(), make()
+    a.set_epoch(5)
+    first = collect(strategy, a)
+    assert collect(strategy, a) == first  # fixed within epoch 5, however often iterated
+    b.set_epoch(5)
+    assert collect(strategy, b) == first  # another process/worker: same order
+    b.set_epoch(6)
+    other = collect(strategy, b)
+    assert other != first and flat(other) == list(range(64))

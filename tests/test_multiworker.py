@@ -129,10 +129,11 @@ def test_ctrl_c_is_forwarded_and_stops_everything(tmp_path):
     assert "received SIGINT; forwarding to all workers" in out
 
 
-def test_kill_and_resume_ends_like_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("shuffle", ["", "1"], ids=["in-order", "shuffled"])
+def test_kill_and_resume_ends_like_an_uninterrupted_run(tmp_path, shuffle):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    common = dict(TFDP_TEST_EPOCHS=4, TFDP_TEST_OPT="adam")
+    common = dict(TFDP_TEST_EPOCHS=4, TFDP_TEST_OPT="adam", TFDP_TEST_SHUFFLE=shuffle)
     code, out = launch(tmp_path / "a", TFDP_TEST_BACKUP=tmp_path / "backup-a", **common)
     assert code == 0, out
     code, out = launch(tmp_path / "b", TFDP_TEST_BACKUP=tmp_path / "backup-b",

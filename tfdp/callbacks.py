@@ -17,7 +17,7 @@ import tempfile
 import keras
 import tensorflow as tf
 
-__all__ = ["BackupAndRestore", "is_chief", "write_path"]
+__all__ = ["BackupAndRestore", "DatasetEpoch", "is_chief", "write_path"]
 
 
 def _cluster(strategy=None):
@@ -91,3 +91,25 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     def _model_strategy(self):
         model = getattr(self, "_model", None) or getattr(self, "model", None)
         return getattr(model, "distribute_strategy", None)
+
+
+class DatasetEpoch(keras.callbacks.Callback):
+    """Tells a ``tfdp.data.distribute`` dataset which epoch starts (its ``set_epoch``).
+
+    With it, epoch e's shuffle order depends only on (seed, e), not on how many epochs this
+    process has run: a job resumed by ``BackupAndRestore`` at epoch e trains on exactly the
+    order the uninterrupted job used. Keras creates each epoch's iterator after
+    ``on_epoch_begin``, so the order applies to the epoch being started.
+
+    Args:
+        dataset: what ``tfdp.data.distribute`` returned.
+    """
+
+    def __init__(self, dataset):
+        super().__init__()
+        if not hasattr(dataset, "set_epoch"):
+            raise TypeError("DatasetEpoch needs a dataset from tfdp.data.distribute (it has set_epoch).")
+        self._dataset = dataset
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._dataset.set_epoch(epoch)

@@ -21,7 +21,9 @@ Within a worker, each local replica takes consecutive batches of
 the elements a single device would see in one global batch.
 
 Shuffling (``shuffle_buffer``) uses the same seed on every worker and a new order every
-epoch, and happens before sharding, so the workers partition one global permutation.
+epoch, and happens before sharding, so the workers partition one global permutation. With
+``set_epoch`` (or the ``tfdp.callbacks.DatasetEpoch`` callback) epoch e's order is a function
+of (seed, e) alone, so a job resumed from a backup sees exactly the uninterrupted order.
 
 Last partial batch: ``drop_remainder=False`` (default) keeps every example; the final
 step is smaller and may give some replicas an empty batch, which TensorFlow's
@@ -92,6 +94,44 @@ class Files:
                                     deterministic=True)
 
 
+class _ShuffleSeeds:
+    """Per-epoch shuffle seeds, the same on every worker.
+
+    The order of epoch e is a pure function of (seed, e). Until ``set_epoch`` is called,
+    e counts the iterations of the dataset in this process (a new order each epoch, as
+    tf.data's reshuffling); once it is called (``tfdp.callbacks.DatasetEpoch`` does it from
+    Keras's epoch counter), e is the training epoch, so a job resumed at epoch e replays
+    exactly the order the uninterrupted job would have used.
+    """
+
+    def __init__(self, seed):
+        self.seed = int(seed)
+        self.epoch = None
+        self.iterations = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = int(epoch)
+
+    def _next(self):
+        if self.epoch is None:
+            epoch, self.iterations = self.iterations, self.iterations + 1
+        else:
+            epoch = self.epoch
+        return self.seed * 1_000_003 + epoch
+
+    def seed_tensor(self):
+        """A tensor holding this iteration's seed (evaluated once per new iterator)."""
+        return tf.py_function(lambda: tf.constant(self._next(), tf.int64), [], tf.int64)
+
+
+def _shuffled(ds, buffer_size, seeds, salt):
+    # range(1).flat_map re-runs its function for every new iterator, so the seed is read
+    # at the start of each epoch; within the epoch the order is fixed by it.
+    return tf.data.Dataset.range(1).flat_map(
+        lambda _: ds.shuffle(buffer_size, seed=seeds.seed_tensor() + salt,
+                             reshuffle_each_iteration=False))
+
+
 def per_replica_batch_size(global_batch_size: int, num_replicas: int) -> int:
     """``global_batch_size / num_replicas``, or an error naming both when it is not whole."""
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
@@ -145,7 +185,10 @@ def distribute(strategy, dataset_or_fn, global_batch_size, shard_policy="auto", 
         global_batch_size: examples per step across all replicas of all workers.
         shard_policy: ``"auto"``, ``"file"``, ``"data"`` or ``"off"`` (module docstring).
         shuffle_buffer: shuffle elements with this buffer (None: no shuffling); the order
-            is the same on every worker and changes every epoch.
+            is the same on every worker and changes every epoch. The result has
+            ``set_epoch(e)`` (as PyTorch's DistributedSampler): the order of epoch e then
+            depends only on (seed, e); ``tfdp.callbacks.DatasetEpoch`` calls it from
+            ``model.fit``, so resumed jobs replay the same order.
         seed: the shuffle seed, shared by all workers.
         drop_remainder: drop the last partial global batch (see module docstring).
         prefetch: ``prefetch(AUTOTUNE)`` per replica.
@@ -190,6 +233,8 @@ def distribute(strategy, dataset_or_fn, global_batch_size, shard_policy="auto", 
         _logged_choices.add((policy, reason))
         log.warning("tfdp.data: shard_policy='auto' chose %r: %s", policy, reason)
 
+    seeds = _ShuffleSeeds(seed)
+
     def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
         w, num_pipelines = ctx.input_pipeline_id, ctx.num_input_pipelines
         if files is not None:
@@ -199,10 +244,10 @@ def distribute(strategy, dataset_or_fn, global_batch_size, shard_policy="auto", 
                 # fixed; the order of a worker's files still changes every epoch.
                 names = names.shard(num_pipelines, w)
                 if shuffle_buffer:
-                    names = names.shuffle(len(files), seed=seed, reshuffle_each_iteration=True)
+                    names = _shuffled(names, len(files), seeds, 0)
             ds = dataset_or_fn.open(names)
             if shuffle_buffer:
-                ds = ds.shuffle(shuffle_buffer, seed=seed + 1, reshuffle_each_iteration=True)
+                ds = _shuffled(ds, shuffle_buffer, seeds, 1)
             if policy == "data":
                 ds = ds.shard(num_pipelines, w)
             if dataset_or_fn.parse_fn is not None:
@@ -211,7 +256,7 @@ def distribute(strategy, dataset_or_fn, global_batch_size, shard_policy="auto", 
         elif isinstance(dataset_or_fn, tf.data.Dataset):
             ds = dataset_or_fn
             if shuffle_buffer:
-                ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
+                ds = _shuffled(ds, shuffle_buffer, seeds, 0)
             if policy == "data":
                 ds = ds.shard(num_pipelines, w)
         else:
@@ -220,7 +265,7 @@ def distribute(strategy, dataset_or_fn, global_batch_size, shard_policy="auto", 
                 raise DataShardingError(
                     f"the input function returned a {type(ds).__name__}, not a tf.data.Dataset.")
             if shuffle_buffer:
-                ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
+                ds = _shuffled(ds, shuffle_buffer, seeds, 0)
         if drop_remainder:
             # Only whole local steps: L full per-replica batches at a time.
             local = max(1, ctx.num_replicas_in_sync // num_pipelines)
@@ -235,6 +280,8 @@ def distribute(strategy, dataset_or_fn, global_batch_size, shard_policy="auto", 
         return ds.prefetch(tf.data.AUTOTUNE) if prefetch else ds
 
     distributed = strategy.distribute_datasets_from_function(dataset_fn)
+    # PyTorch's DistributedSampler.set_epoch, for tf.data: see _ShuffleSeeds.
+    distributed.set_epoch = seeds.set_epoch
     counts = _elements_per_worker(dataset_or_fn, files, policy, num_workers)
     if counts is not None:
         steps = steps_per_epoch(counts, per_replica, num_replicas // num_workers, drop_remainder)
