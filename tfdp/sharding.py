@@ -220,47 +220,55 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         return  # the wrapped optimizer's decay is applied to owned variables in the step
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        variables = [v for v in trainable_variables]
+        variables = list(trainable_variables)
         indices = [self._get_variable_index(v) for v in variables]
+        by_index = dict(zip(indices, variables))
         if self._num_replicas == 1:
             self._update_owned(dict(zip(indices, grads)), variables, indices)
             return
-        strategy = self._distribution_strategy
-        me = collectives.global_replica_id(strategy)
-        dtype = variables[0].dtype
-        if any(v.dtype != dtype for v in variables):
+        dtypes = {v.dtype for v in variables}
+        if len(dtypes) > 1:
             raise TypeError("ShardedOptimizer needs all trainable variables in one dtype, got "
-                            f"{sorted({str(v.dtype) for v in variables})}.")
-        grad_of = dict(zip(indices, grads))
-        sparse = [i for i in indices if isinstance(grad_of[i], tf.IndexedSlices)]
+                            f"{sorted(str(d) for d in dtypes)}.")
+        me = collectives.global_replica_id(self._distribution_strategy)
+        owned_grads = self._reduce_to_owners(dict(zip(indices, grads)), by_index, me)  # step 1
+        owned = [i for i in indices if i in owned_grads]
+        self._update_owned(owned_grads, [by_index[i] for i in owned], owned,         # steps 2-3
+                           distributed=True)
+        self._gather_from_owners(indices, by_index, me)                              # step 4
+
+    def _rows(self, indices, by_index):
+        """Variable indices per owner, and the padded row width in elements."""
+        rows = [[i for i in indices if self._owners[i] == r] for r in range(self._num_replicas)]
+        width = max(1, max(sum(_num_elements(by_index[i]) for i in row) for row in rows))
+        return rows, width
+
+    def _reduce_to_owners(self, grad_of, by_index, me):
+        """Step 1: this replica's owned gradients, summed over all replicas."""
+        strategy = self._distribution_strategy
+        sparse = [i for i, g in grad_of.items() if isinstance(g, tf.IndexedSlices)]
+        owned = {}
         if sparse:
             # Sparse gradients travel as IndexedSlices (an all-gather of rows, as TensorFlow
             # reduces them unsharded), so optimizers with sparse update rules stay exact.
             reduced = tf.distribute.get_replica_context().all_reduce(
                 tf.distribute.ReduceOp.SUM, [grad_of[i] for i in sparse])
-            grad_of.update(zip(sparse, reduced))
-        dense = [i for i in indices if i not in sparse]
-        sizes = {i: _num_elements(v) for i, v in zip(indices, variables)}
-        rows = [[i for i in dense if self._owners[i] == r] for r in range(self._num_replicas)]
-        width = max(1, max(sum(sizes[i] for i in row) for row in rows))
-
-        # 1. reduce-scatter: row r = the gradients replica r owns.
+            owned.update((i, g) for i, g in zip(sparse, reduced) if self._owners[i] == me)
+        dense = [i for i in grad_of if i not in sparse]
+        rows, width = self._rows(dense, by_index)
+        dtype = by_index[dense[0]].dtype if dense else tf.float32
         packed = tf.stack([self._pack([grad_of[i] for i in row], width, dtype) for row in rows])
         wire = collectives.COMPRESSION_DTYPES[strategy.compression]
         if wire is not None:
             packed = tf.cast(packed, wire)
         mine = tf.cast(collectives.reduce_scatter(packed, strategy), dtype)
-        by_index = dict(zip(indices, variables))
-        owned_grads = dict(zip(rows[me], self._unpack(mine, [by_index[i] for i in rows[me]])))
-        owned_grads.update((i, grad_of[i]) for i in sparse if self._owners[i] == me)
-        owned = [i for i in indices if i in owned_grads]
+        owned.update(zip(rows[me], self._unpack(mine, [by_index[i] for i in rows[me]])))
+        return owned
 
-        # 2-3. clip and update the owned variables.
-        self._update_owned(owned_grads, [by_index[i] for i in owned], owned, distributed=True)
-
-        # 4. all-gather the new values (dense rows; sparse-updated variables too).
-        rows = [[i for i in indices if self._owners[i] == r] for r in range(self._num_replicas)]
-        width = max(1, max(sum(sizes[i] for i in row) for row in rows))
+    def _gather_from_owners(self, indices, by_index, me):
+        """Step 4: every replica receives every owner's new values."""
+        rows, width = self._rows(indices, by_index)
+        dtype = by_index[indices[0]].dtype
         new_values = self._pack([by_index[i].value for i in rows[me]], width, dtype)
         gathered = tf.reshape(collectives.all_gather(new_values[tf.newaxis], axis=0),
                               [self._num_replicas, width])
