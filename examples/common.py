@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+import keras
 import numpy as np
 
 
@@ -40,27 +41,26 @@ def build_model(keras):
     ])
 
 
-class Throughput:
-    """A Keras callback measuring samples/s per epoch (first epoch = warm-up, excluded)."""
+class Throughput(keras.callbacks.Callback):
+    """Samples/s per epoch; the first epoch (tracing, warm-up) is left out of the median.
 
-    def __new__(cls, samples_per_epoch):
-        import keras
+    Args:
+        samples_per_epoch: examples one epoch trains on, across all replicas.
+    """
 
-        class _Callback(keras.callbacks.Callback):
-            def __init__(self):
-                super().__init__()
-                self.rates = []
-                self._t = 0.0
+    def __init__(self, samples_per_epoch):
+        super().__init__()
+        self.samples_per_epoch = samples_per_epoch
+        self.rates = []
+        self._started = 0.0
 
-            def on_epoch_begin(self, epoch, logs=None):
-                self._t = time.perf_counter()
+    def on_epoch_begin(self, epoch, logs=None):
+        self._started = time.perf_counter()
 
-            def on_epoch_end(self, epoch, logs=None):
-                self.rates.append(samples_per_epoch / (time.perf_counter() - self._t))
+    def on_epoch_end(self, epoch, logs=None):
+        self.rates.append(self.samples_per_epoch / (time.perf_counter() - self._started))
 
-            @property
-            def samples_per_second(self):
-                steady = self.rates[1:] or self.rates
-                return float(np.median(steady)) if steady else float("nan")
-
-        return _Callback()
+    @property
+    def samples_per_second(self):
+        steady = self.rates[1:] or self.rates
+        return float(np.median(steady)) if steady else float("nan")

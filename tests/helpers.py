@@ -46,6 +46,12 @@ def convnet(classes=2):
     ])
 
 
+def mixed_precision_mlp(features=8, classes=3):
+    """For the mixed_float16 policy: float32 logits, as Keras recommends."""
+    return keras.Sequential([keras.Input((features,)), keras.layers.Dense(32, activation="relu"),
+                             keras.layers.Dense(classes, dtype="float32")])
+
+
 def initial_weights(model_fn, seed=1234):
     keras.utils.set_random_seed(seed)
     return model_fn().get_weights()

@@ -7,7 +7,7 @@ import keras
 
 import tfdp
 from tfdp.optimizers import LAMB, LARS
-from helpers import classification_data, cpu_devices, initial_weights, mlp, train
+from helpers import classification_data, cpu_devices, initial_weights, mixed_precision_mlp, mlp, train
 
 SHAPES = [(3, 4), (5,), (2, 3, 2)]
 
@@ -234,9 +234,7 @@ def test_mixed_precision_loss_scaling(cls):
     x, y = classification_data()
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-        def make():
-            return keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation="relu"),
-                                     keras.layers.Dense(3, dtype="float32")])
+        make = mixed_precision_mlp
         s = tfdp.DataParallelStrategy(devices=cpu_devices(2))
         model, hist = train(s, make, lambda: keras.optimizers.LossScaleOptimizer(
             cls(learning_rate=0.05 if cls is LAMB else 2.0)), x, y, 64, epochs=4)

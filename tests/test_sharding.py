@@ -9,7 +9,7 @@ import keras
 import tfdp
 from tfdp.sharding import optimizer_state_bytes_per_replica, partition
 from helpers import (assert_weights_close, classification_data, cpu_devices, initial_weights,
-                     mlp, train)
+                     mixed_precision_mlp, mlp, train)
 
 OPTIMIZERS = {
     "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
@@ -162,9 +162,7 @@ def test_loss_scale_optimizer_mixed_precision():
     x, y = classification_data()
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-        def make():
-            return keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation="relu"),
-                                     keras.layers.Dense(3, dtype="float32")])
+        make = mixed_precision_mlp
         w0 = initial_weights(make)
         ref, _ = train(None, make, lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01)),
                        x, y, 64, weights=w0)

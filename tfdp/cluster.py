@@ -15,13 +15,14 @@ import json
 import os
 from typing import Any, Mapping
 
-__all__ = ["ClusterConfig", "ClusterConfigError", "READY_FILE_ENV", "RANK_ENV"]
+__all__ = ["ClusterConfig", "ClusterConfigError", "CPU_REPLICAS_ENV", "READY_FILE_ENV", "RANK_ENV"]
 
 # Launcher protocol (tfdp-run <-> workers). The launcher names a file per worker; the
 # strategy writes it once the worker has joined the cluster, so the launcher can tell a
 # worker that never joined from one that is merely slow to train.
 READY_FILE_ENV = "TFDP_READY_FILE"
 RANK_ENV = "TFDP_RANK"
+CPU_REPLICAS_ENV = "TFDP_CPU_REPLICAS"  # logical CPU replicas per worker (--cpu-replicas)
 
 _ACCEPTED_TASK_TYPES = ("chief", "worker")
 _REJECTED_TASK_TYPES = {

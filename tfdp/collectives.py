@@ -76,7 +76,8 @@ def _options(strategy, **overrides):
     )
 
 
-def _wire_cast(x, compression):
+def to_wire(x, compression):
+    """``x`` in the wire dtype of ``compression`` (floating tensors only)."""
     wire = COMPRESSION_DTYPES[compression]
     if wire is None or not x.dtype.is_floating or x.dtype == wire:
         return x
@@ -112,22 +113,28 @@ def all_reduce_gradients(grads, strategy=None):
         for bucket in buckets:
             parts = [tf.reshape(tensors[j], [-1]) for j in bucket]
             packed = parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
-            flat.append(_wire_cast(packed, compression))
+            flat.append(to_wire(packed, compression))
         reduced = ctx.all_reduce(
             tf.distribute.ReduceOp.SUM, flat,
             options=_options(strategy, bytes_per_pack=_ONE_COLLECTIVE_PER_TENSOR))
         for bucket, value in zip(buckets, reduced):
-            sizes = [tf.size(tensors[j]) for j in bucket]
+            # Gradient shapes are static at trace time; fall back to runtime shapes otherwise.
+            sizes = [_size(tensors[j]) for j in bucket]
             pieces = [value] if len(bucket) == 1 else tf.split(value, sizes, axis=0)
             for j, piece in zip(bucket, pieces):
                 src = tensors[j]
-                out[order[j]] = tf.reshape(tf.cast(piece, src.dtype), tf.shape(src))
+                shape = src.shape if src.shape.is_fully_defined() else tf.shape(src)
+                out[order[j]] = tf.reshape(tf.cast(piece, src.dtype), shape)
     if sparse:
         reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in sparse],
                                  options=_options(strategy))
         for i, value in zip(sparse, reduced):
             out[i] = value
     return out
+
+
+def _size(t):
+    return t.shape.num_elements() if t.shape.is_fully_defined() else tf.size(t)
 
 
 def all_reduce(value, op=tf.distribute.ReduceOp.SUM):
@@ -146,7 +153,7 @@ def all_gather(value, axis=0):
     strategy = ctx.strategy
     if ctx.num_replicas_in_sync == 1:
         return value
-    launcher = _tf_private.collective_launchers(strategy.extended)[local_replica_index(strategy)]
+    launcher = _tf_private.collective_launchers(strategy.extended)[local_replica_index()]
     if axis != 0:
         value = tf.experimental.numpy.moveaxis(value, axis, 0)
     gathered = _tf_private.all_gather(launcher, value, _options(strategy))
@@ -155,9 +162,8 @@ def all_gather(value, axis=0):
     return gathered
 
 
-def local_replica_index(strategy=None) -> int:
+def local_replica_index() -> int:
     """This replica's index among the worker's local devices (a Python int)."""
-    del strategy
     return _tf_private.local_replica_id(tf.distribute.get_replica_context())
 
 
@@ -184,7 +190,7 @@ def reduce_scatter(value, strategy=None):
         return value[0]
     if not strategy.extended._tfdp_all_to_all_is_ordered:
         return all_reduce(value)[replica_id]
-    received = strategy.extended._tfdp_all_to_all(value, local_replica_index(strategy))
+    received = strategy.extended._tfdp_all_to_all(value, local_replica_index())
     return tf.reduce_sum(received, axis=0)
 
 
@@ -194,7 +200,7 @@ def global_replica_id(strategy=None) -> int:
     strategy = strategy or ctx.strategy
     cluster = getattr(strategy, "cluster", None)
     rank = cluster.rank if cluster is not None else 0
-    return rank * len(strategy.extended.worker_devices) + local_replica_index(strategy)
+    return rank * len(strategy.extended.worker_devices) + local_replica_index()
 
 
 # --- Keras gradient hooks --------------------------------------------------------------

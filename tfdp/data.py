@@ -67,6 +67,10 @@ class Files:
         parse_fn: maps one serialized record to one element; None yields raw records.
         reader: ``"tfrecord"`` or ``"text"``; or a callable ``filename -> Dataset``.
         compression_type: passed to the reader (``""``, ``"GZIP"``, ``"ZLIB"``).
+
+    ``distribute`` counts the records of every file once, up front, to report the true
+    steps per epoch (otherwise Keras runs an extra empty step each epoch); for very large
+    data sets that first read costs one pass over the files.
     """
 
     patterns: Sequence[str] | str

@@ -11,11 +11,11 @@ import os
 
 import tensorflow as tf
 
-__all__ = ["configure_cpu_replicas", "local_devices", "CPU_REPLICAS_ENV"]
+# Set by tfdp-run so that DataParallelStrategy() in each worker splits its CPU without any
+# change to the user's script; defined with the rest of the launcher protocol.
+from tfdp.cluster import CPU_REPLICAS_ENV
 
-# The tfdp-run launcher sets this so that ``DataParallelStrategy()`` in each worker splits
-# its CPU without any change to the user's script.
-CPU_REPLICAS_ENV = "TFDP_CPU_REPLICAS"
+__all__ = ["configure_cpu_replicas", "local_devices", "CPU_REPLICAS_ENV"]
 
 
 # Nothing here may initialise the TensorFlow runtime (tf.config.list_logical_devices
@@ -113,11 +113,3 @@ def local_devices(available: dict | None = None) -> tuple[list[str], str]:
     available = available_devices() if available is None else available
     device_type = "GPU" if available.get("GPU") else "CPU"
     return [d.name for d in _logical(device_type, available.get(device_type, 1))], device_type
-
-
-def device_type_of(name: str) -> str:
-    """``"GPU"``, ``"CPU"`` or ``"TPU"`` from a device string such as '/device:GPU:1'."""
-    spec = tf.DeviceSpec.from_string(name)
-    if not spec.device_type:
-        raise ValueError(f"device {name!r} names no device type; write e.g. '/device:CPU:0'.")
-    return spec.device_type.upper()

@@ -34,12 +34,11 @@ import threading
 import time
 from typing import Sequence
 
-from tfdp.cluster import READY_FILE_ENV, RANK_ENV
+from tfdp.cluster import CPU_REPLICAS_ENV, READY_FILE_ENV, RANK_ENV
 
 EXIT_TIMEOUT = 124
 EXIT_NEVER_JOINED = 125
 EXIT_INTERRUPTED = 130
-CPU_REPLICAS_ENV = "TFDP_CPU_REPLICAS"  # same name as tfdp.devices.CPU_REPLICAS_ENV
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:

@@ -146,8 +146,7 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         super().build(var_list)
         strategy, num_replicas, rank, local_devices = self._topology()
         self._num_replicas = num_replicas
-        self._first_local = rank * len(local_devices)
-        self._local_devices = local_devices
+        first_local = rank * len(local_devices)
         sizes = [_num_elements(v) for v in var_list]
         self._owners = partition(sizes, num_replicas)
         keys = {self._var_key(v): i for i, v in enumerate(var_list)}
@@ -158,7 +157,7 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
             index = keys.get(self._var_key(reference)) if reference is not None else None
             if index is None:
                 return next_creator(**kwargs)
-            local = self._owners[index] - self._first_local
+            local = self._owners[index] - first_local
             if strategy is None:
                 pass  # one device: the slot goes wherever the optimizer puts it
             elif 0 <= local < len(local_devices):
@@ -258,9 +257,7 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         rows, width = self._rows(dense, by_index)
         dtype = by_index[dense[0]].dtype if dense else tf.float32
         packed = tf.stack([self._pack([grad_of[i] for i in row], width, dtype) for row in rows])
-        wire = collectives.COMPRESSION_DTYPES[strategy.compression]
-        if wire is not None:
-            packed = tf.cast(packed, wire)
+        packed = collectives.to_wire(packed, strategy.compression)
         mine = tf.cast(collectives.reduce_scatter(packed, strategy), dtype)
         owned.update(zip(rows[me], self._unpack(mine, [by_index[i] for i in rows[me]])))
         return owned
@@ -394,8 +391,7 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
 
     def get_config(self):
         config = super().get_config()
-        for key in ("learning_rate",):
-            config.pop(key, None)
+        config.pop("learning_rate", None)  # the wrapped optimizer's, serialized with it
         config["optimizer"] = keras.optimizers.serialize(self.inner_optimizer)
         return config
 
@@ -418,10 +414,9 @@ def optimizer_state_bytes_per_replica(optimizer, strategy=None) -> list[int]:
     if isinstance(optimizer, ShardedOptimizer):
         variables += [v for v, _ in optimizer._book.slots] + list(optimizer.inner_optimizer.variables)
     if not getattr(strategy, "_is_tfdp_strategy", False) and strategy.num_replicas_in_sync == 1:
-        return [sum(getattr(v, "value", v).shape.num_elements() * v.dtype_size
-                    if hasattr(v, "dtype_size") else
-                    getattr(v, "value", v).shape.num_elements() * tf.as_dtype(v.dtype).size
-                    for v in variables)]
+        # One device (no strategy): everything lives there.
+        values = [getattr(v, "value", v) for v in variables]
+        return [sum(v.shape.num_elements() * v.dtype.size for v in values)]
     devices = [tf.DeviceSpec.from_string(d) for d in strategy.extended.worker_devices]
     keys = [(d.device_type, d.device_index) for d in devices]
     totals = [0] * len(devices)
