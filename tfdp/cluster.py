@@ -19,41 +19,12 @@ __all__ = ["ClusterConfig", "ClusterConfigError", "CPU_REPLICAS_ENV", "READY_FIL
            "SLOT_ENV", "ATTEMPT_ENV", "CONTROL_DIR_ENV", "MIN_WORKERS_ENV", "RESTARTS_LEFT_ENV",
            "GRACE_ENV", "EXIT_PREEMPTED", "EXIT_RESTART_REQUESTED", "EVICT_FILE", "progress_file"]
 
-# Launcher protocol (tfdp-run <-> workers). The launcher names a file per worker; the
-# strategy writes it once the worker has joined the cluster, so the launcher can tell a
-# worker that never joined from one that is merely slow to train.
-READY_FILE_ENV = "TFDP_READY_FILE"
-RANK_ENV = "TFDP_RANK"
-CPU_REPLICAS_ENV = "TFDP_CPU_REPLICAS"  # logical CPU replicas per worker (--cpu-replicas)
-
-# Restarts and membership (tfdp-run --max-restarts / --min-workers). A *slot* is a worker
-# position that keeps its identity across restarts, while ranks are renumbered (0..W-1,
-# slot order) whenever a slot is dropped. The launcher gives every attempt a fresh control
-# directory, shared by the launcher and that attempt's workers:
-#   {control_dir}/step-{rank}   written by a worker once it completes its first training
-#                               step in this attempt (tfdp callbacks do it); a slot that fails
-#                               before any such file exists "could not come back";
-#   {control_dir}/evict.json    written by the chief before the workers exit with
-#                               EXIT_RESTART_REQUESTED: {"rank": R, "reason": "..."}, the rank
-#                               (in this attempt's numbering) the job asks to drop.
-SLOT_ENV = "TFDP_SLOT"                  # stable slot index of this worker
-ATTEMPT_ENV = "TFDP_ATTEMPT"            # 0 for the first launch, k after the k-th restart
-CONTROL_DIR_ENV = "TFDP_CONTROL_DIR"    # this attempt's control directory
-MIN_WORKERS_ENV = "TFDP_MIN_WORKERS"    # --min-workers
-RESTARTS_LEFT_ENV = "TFDP_RESTARTS_LEFT"  # restarts the launcher may still make
-GRACE_ENV = "TFDP_GRACE_SECONDS"        # preemption grace period the launcher grants
-EVICT_FILE = "evict.json"
-# SIGTERM (preemption): every worker backs up at the same step and exits 128 + SIGTERM.
-EXIT_PREEMPTED = 143
-# The job asks its launcher to restart it with a different membership (evict.json says how).
-# 75 is EX_TEMPFAIL. Only tfdp-run grants it: workers ask only when TFDP_MIN_WORKERS and
-# TFDP_RESTARTS_LEFT (set by tfdp-run) allow shrinking, so a scheduler never sees it.
-EXIT_RESTART_REQUESTED = 75
-
-
-def progress_file(control_dir: str, rank: int) -> str:
-    """The file a worker writes after its first completed training step of an attempt."""
-    return os.path.join(control_dir, f"step-{rank}")
+# The launcher protocol's names live in tfdp.protocol; re-exported here because earlier
+# releases defined them in this module.
+from tfdp.protocol import (ATTEMPT_ENV, CONTROL_DIR_ENV, CPU_REPLICAS_ENV,  # noqa: E402,F401
+                           EVICT_FILE, EXIT_PREEMPTED, EXIT_RESTART_REQUESTED, GRACE_ENV,
+                           MIN_WORKERS_ENV, RANK_ENV, READY_FILE_ENV, RESTARTS_LEFT_ENV, SLOT_ENV,
+                           progress_file)
 
 _ACCEPTED_TASK_TYPES = ("chief", "worker")
 _REJECTED_TASK_TYPES = {

@@ -51,36 +51,14 @@ import json
 import signal
 from typing import Optional, Sequence, Union
 
-from tfdp.cluster import EXIT_PREEMPTED, EXIT_RESTART_REQUESTED
+from tfdp.protocol import (EXIT_INTERRUPTED, EXIT_NEVER_JOINED, EXIT_PREEMPTED,
+                           EXIT_RESTART_REQUESTED, EXIT_TERMINATED, EXIT_TIMEOUT, describe_exit,
+                           exit_code_of)
 
 __all__ = ["EXIT_TIMEOUT", "EXIT_NEVER_JOINED", "EXIT_INTERRUPTED", "EXIT_TERMINATED",
            "Policy", "JobState", "Completed", "WorkerExited", "NeverJoined", "EvictionRequested",
            "Interrupted", "TimedOut", "Decision", "decide", "describe_exit", "exit_code_of",
            "parse_eviction", "Eviction", "AttemptEnd", "run_policy"]
-
-EXIT_TIMEOUT = 124
-EXIT_NEVER_JOINED = 125
-EXIT_INTERRUPTED = 130          # 128 + SIGINT
-EXIT_TERMINATED = EXIT_PREEMPTED  # 128 + SIGTERM: the launcher itself was asked to stop
-
-
-def exit_code_of(returncode: int) -> int:
-    """A ``Popen.returncode`` as a shell exit code: killed by signal N (-N) => 128 + N."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def describe_exit(code: int) -> str:
-    """``137 (SIGKILL)``, ``143 (SIGTERM, preempted)``, ``75 (restart requested)``, ``3``."""
-    if code == EXIT_PREEMPTED:
-        return f"{code} (SIGTERM, preempted)"
-    if code == EXIT_RESTART_REQUESTED:
-        return f"{code} (restart requested)"
-    if code > 128:
-        try:
-            return f"{code} ({signal.Signals(code - 128).name})"
-        except ValueError:
-            pass
-    return str(code)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,106 @@
+"""The launcher <-> worker protocol: environment variables, control files, exit codes.
+
+Pure Python (no TensorFlow), so the launcher can import it cheaply. This is the one home of
+every name that ``tfdp-run`` (or a scheduler standing in for it) and the workers share, the way
+torchrun documents its "Environment Variables" in one section.
+
+Environment variables the launcher sets for each worker
+    ``TF_CONFIG``              the cluster and this task (built with :class:`tfdp.ClusterConfig`).
+    ``TFDP_RANK``              this worker's rank in the current attempt (0 = chief).
+    ``TFDP_SLOT``              the worker's stable slot: keeps its identity across restarts,
+                               while ranks are renumbered (slot order) when a slot is dropped.
+    ``TFDP_ATTEMPT``           0 for the first launch, k after the k-th restart.
+    ``TFDP_CONTROL_DIR``       this attempt's control directory (files below).
+    ``TFDP_READY_FILE``        the file the strategy writes once the worker joined the cluster,
+                               so the launcher can tell a worker that never joined from a slow one.
+    ``TFDP_MIN_WORKERS``       ``--min-workers``; with ``TFDP_RESTARTS_LEFT`` it tells a worker
+    ``TFDP_RESTARTS_LEFT``     whether asking to shrink (exit 75) can be granted.
+    ``TFDP_GRACE_SECONDS``     the preemption grace period the launcher grants after SIGTERM.
+    ``TFDP_CPU_REPLICAS``      ``--cpu-replicas K``: ``DataParallelStrategy()`` splits the CPU
+                               into K logical replicas.
+
+Environment variables the user may set
+    ``TFDP_ORDERLY_EXIT``      ``0`` turns off the workers' exit barrier (tfdp.orderly_exit).
+
+Control files, under ``TFDP_CONTROL_DIR`` (fresh for every attempt)
+    ``step-{rank}``            written by a worker after its first completed training step of
+                               the attempt; a slot that fails before any exists "could not come
+                               back" (tfdp.supervisor).
+    ``evict.json``             written by the chief before the workers exit with
+                               ``EXIT_RESTART_REQUESTED``: ``{"rank": R, "reason": "..."}``, the
+                               rank (this attempt's numbering) the job asks to drop.
+
+Exit codes
+    0     the job (or worker) finished.
+    75    ``EXIT_RESTART_REQUESTED`` (EX_TEMPFAIL): the workers ask their launcher to restart
+          with another membership (evict.json says how). Only tfdp-run grants it: workers ask
+          only when ``TFDP_MIN_WORKERS`` and ``TFDP_RESTARTS_LEFT`` allow shrinking.
+    124   ``EXIT_TIMEOUT``: tfdp-run's ``--timeout`` passed.
+    125   ``EXIT_NEVER_JOINED``: a worker never joined within ``--start-timeout``, no restart left.
+    127   ``EXIT_CANNOT_START``: the worker command could not be started.
+    130   ``EXIT_INTERRUPTED``: Ctrl-C (128 + SIGINT).
+    143   ``EXIT_PREEMPTED``: SIGTERM (128 + SIGTERM); workers back up at the same step first.
+    128+S a process killed by signal S.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+__all__ = [
+    "READY_FILE_ENV", "RANK_ENV", "SLOT_ENV", "ATTEMPT_ENV", "CONTROL_DIR_ENV",
+    "MIN_WORKERS_ENV", "RESTARTS_LEFT_ENV", "GRACE_ENV", "CPU_REPLICAS_ENV", "ORDERLY_EXIT_ENV",
+    "EVICT_FILE", "progress_file", "DEFAULT_GRACE_SECONDS",
+    "EXIT_RESTART_REQUESTED", "EXIT_TIMEOUT", "EXIT_NEVER_JOINED", "EXIT_CANNOT_START",
+    "EXIT_INTERRUPTED", "EXIT_PREEMPTED", "EXIT_TERMINATED", "exit_code_of", "describe_exit",
+]
+
+READY_FILE_ENV = "TFDP_READY_FILE"
+RANK_ENV = "TFDP_RANK"
+SLOT_ENV = "TFDP_SLOT"
+ATTEMPT_ENV = "TFDP_ATTEMPT"
+CONTROL_DIR_ENV = "TFDP_CONTROL_DIR"
+MIN_WORKERS_ENV = "TFDP_MIN_WORKERS"
+RESTARTS_LEFT_ENV = "TFDP_RESTARTS_LEFT"
+GRACE_ENV = "TFDP_GRACE_SECONDS"
+CPU_REPLICAS_ENV = "TFDP_CPU_REPLICAS"
+ORDERLY_EXIT_ENV = "TFDP_ORDERLY_EXIT"
+
+EVICT_FILE = "evict.json"
+
+# Kubernetes' default terminationGracePeriodSeconds.
+DEFAULT_GRACE_SECONDS = 30.0
+
+EXIT_RESTART_REQUESTED = 75
+EXIT_TIMEOUT = 124
+EXIT_NEVER_JOINED = 125
+EXIT_CANNOT_START = 127  # the shell's "command not found"
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+EXIT_PREEMPTED = 128 + signal.SIGTERM
+# The launcher itself was asked to stop: the same code as a preempted worker.
+EXIT_TERMINATED = EXIT_PREEMPTED
+
+
+def progress_file(control_dir: str, rank: int) -> str:
+    """The file a worker writes after its first completed training step of an attempt."""
+    return os.path.join(control_dir, f"step-{rank}")
+
+
+def exit_code_of(returncode: int) -> int:
+    """A ``Popen.returncode`` as a shell exit code: killed by signal N (-N) => 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe_exit(code: int) -> str:
+    """``137 (SIGKILL)``, ``143 (SIGTERM, preempted)``, ``75 (restart requested)``, ``3``."""
+    if code == EXIT_PREEMPTED:
+        return f"{code} (SIGTERM, preempted)"
+    if code == EXIT_RESTART_REQUESTED:
+        return f"{code} (restart requested)"
+    if code > 128:
+        try:
+            return f"{code} ({signal.Signals(code - 128).name})"
+        except ValueError:
+            pass
+    return str(code)
