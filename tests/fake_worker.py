@@ -1,7 +1,9 @@
 """A TensorFlow-free stand-in for a tfdp worker, for tfdp-run's process tests.
 
-It speaks the launcher protocol of tfdp.cluster the way a real worker does: it "joins" (writes
-its ready file), waits for every peer of its attempt to join (as the first collective would),
+It speaks the launcher protocol of tfdp.protocol the way a real worker does: it "joins" (writes
+its ready file), waits for every peer of its attempt to join (as the first collective would;
+through FAKE_OUT, which tests share between "hosts": a worker's control directory is private
+to it when tfdp-run starts it over ssh),
 "completes its first step" (writes its progress file), then acts. What it does is chosen per
 slot and attempt by FAKE_PLAN, a JSON object whose keys are "slot@attempt" with "*" as a
 wildcard (lookup order: "s@a", "s@*", "*@a", "*@*"; default "ok"):
@@ -16,6 +18,7 @@ wildcard (lookup order: "s@a", "s@*", "*@a", "*@*"; default "ok"):
     evict:R             join, barrier, progress; the chief writes evict.json naming rank R;
                         every worker exits 75
     sleep-exit:S:N      join, sleep S seconds (the behaviour under test), exit N
+    chatty:L:N          join, barrier, progress, print "line 0" .. "line L-1", exit N
 
 SIGTERM is recorded and answered with exit 143 (as tfdp's preemption callback does after its
 backup); SIGINT with exit 130. Everything the worker saw goes to FAKE_OUT as
@@ -30,9 +33,9 @@ import signal
 import sys
 import time
 
-from tfdp.cluster import (ATTEMPT_ENV, CONTROL_DIR_ENV, EVICT_FILE, EXIT_PREEMPTED,
-                          EXIT_RESTART_REQUESTED, GRACE_ENV, MIN_WORKERS_ENV, RANK_ENV,
-                          READY_FILE_ENV, RESTARTS_LEFT_ENV, SLOT_ENV, progress_file)
+from tfdp.protocol import (ATTEMPT_ENV, CONTROL_DIR_ENV, EVICT_FILE, EXIT_PREEMPTED,
+                           EXIT_RESTART_REQUESTED, GRACE_ENV, MIN_WORKERS_ENV, RANK_ENV,
+                           READY_FILE_ENV, RESTARTS_LEFT_ENV, SLOT_ENV, progress_file)
 
 OUT = os.environ["FAKE_OUT"]
 SLOT = int(os.environ[SLOT_ENV])
@@ -79,18 +82,22 @@ def action():
     return "ok"
 
 
+def joined_file(rank):
+    return os.path.join(OUT, f"joined-a{ATTEMPT}-r{rank}")
+
+
 def join():
     with open(os.environ[READY_FILE_ENV] + ".joining", "w"):
         pass
     with open(os.environ[READY_FILE_ENV], "w"):
         pass
-    with open(os.path.join(CONTROL_DIR, f"fake-joined-{RANK}"), "w"):
+    with open(joined_file(RANK), "w"):
         pass
 
 
 def barrier():
     """Wait until every rank of this attempt has joined (a real first step needs them all)."""
-    paths = [os.path.join(CONTROL_DIR, f"fake-joined-{r}") for r in range(NUM_WORKERS)]
+    paths = [joined_file(r) for r in range(NUM_WORKERS)]
     while not all(os.path.exists(p) for p in paths):
         time.sleep(0.005)  # polling a file; FAKE_LIFETIME's SIGALRM bounds it
 
@@ -120,7 +127,8 @@ def main():
               "action": what, "tf_config": TF_CONFIG, "control_dir": CONTROL_DIR,
               "min_workers": os.environ.get(MIN_WORKERS_ENV),
               "restarts_left": os.environ.get(RESTARTS_LEFT_ENV),
-              "grace": os.environ.get(GRACE_ENV)}
+              "grace": os.environ.get(GRACE_ENV), "cwd": os.getcwd(),
+              "env": {k: os.environ.get(k) for k in ("TF_CPP_MIN_LOG_LEVEL", "FAKE_EXTRA")}}
     write_atomically(os.path.join(OUT, f"start-{TAG}.json"), json.dumps(record))
     print(f"fake worker slot {SLOT} rank {RANK} attempt {ATTEMPT}: {what}", flush=True)
     name, _, arg = what.partition(":")
@@ -136,6 +144,11 @@ def main():
     first_step()
     if name == "ok":
         sys.exit(0)
+    if name == "chatty":
+        lines, _, code = arg.partition(":")
+        for i in range(int(lines)):
+            print(f"line {i}", flush=True)
+        sys.exit(int(code))
     if name == "exit":
         sys.exit(int(arg))
     if name == "kill":

@@ -8,6 +8,7 @@ started (the launcher's process group; the launcher stops its workers)."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -66,19 +67,75 @@ def test_launcher_does_not_import_tensorflow():
     assert out.stdout.strip() == "False False", out.stderr
 
 
-def test_exit_codes_and_rank_prefix(tmp_path):
+HELLO = ("import os, sys; r = int(os.environ['TFDP_RANK']); print('hello', r);"
+         "open(os.environ['TFDP_READY_FILE'], 'w').close(); sys.exit(7 if r == 1 else 0)")
+
+
+def test_terminal_shows_the_chief_and_the_failed_workers_tail(tmp_path):
     script = tmp_path / "w.py"
-    script.write_text("import os, sys; r = int(os.environ['TFDP_RANK']); print('hello', r);"
-                      "open(os.environ['TFDP_READY_FILE'], 'w').close(); sys.exit(7 if r == 1 else 0)")
-    proc = subprocess.run([sys.executable, "-m", "tfdp.run", "--workers", "2", "--", sys.executable,
-                           str(script)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 7
-    assert "[w1] hello 1" in proc.stdout and "[w0] hello 0" in proc.stdout
+    script.write_text(HELLO)
+    logs = tmp_path / "logs"
+    proc = subprocess.run([sys.executable, "-m", "tfdp.run", "--workers", "2", "--log-dir",
+                           str(logs), "--", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=60)
+    out = proc.stdout
+    assert proc.returncode == 7, out
+    assert f"[tfdp-run] each worker's output: {logs}/attempt-0/worker-<slot>.log; the terminal " \
+           "shows worker 0's (the chief) (--output all: every worker)\n" in out
+    assert "[w0] hello 0\n" in out
+    # Worker 1's line is not on the terminal as it runs: only in the failure report, once.
+    report = (f"[tfdp-run] worker 1 failed (rank 1, slot 1, host {socket.gethostname()}); last 1 "
+              f"lines of {logs}/attempt-0/worker-1.log:\n[w1] hello 1\n")
+    assert report in out and out.count("hello 1") == 1, out
+    assert (logs / "attempt-0" / "worker-0.log").read_text() == "hello 0\n"
+    assert (logs / "attempt-0" / "worker-1.log").read_text() == "hello 1\n"
+
+
+def test_output_all_shows_every_worker_prefixed(tmp_path):
+    script = tmp_path / "w.py"
+    script.write_text(HELLO)
+    proc = subprocess.run([sys.executable, "-m", "tfdp.run", "--workers", "2", "--output", "all",
+                           "--log-dir", str(tmp_path / "logs"), "--", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=60)
+    out = proc.stdout
+    assert proc.returncode == 7, out
+    assert "[w1] hello 1\n" in out and "[w0] hello 0\n" in out and out.count("hello 1") == 1
+    assert "the terminal shows every worker" in out
+    assert (f"worker 1 failed (rank 1, slot 1, host {socket.gethostname()}); its output is above; "
+            f"full log: {tmp_path}/logs/attempt-0/worker-1.log") in out
     ok = tmp_path / "ok.py"
     ok.write_text("import os; print(os.environ['TF_CONFIG'])")
-    proc = subprocess.run([sys.executable, "-m", "tfdp.run", "--workers", "3", "--", sys.executable,
-                           str(ok)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "tfdp.run", "--workers", "3", "--output", "all",
+                           "--", sys.executable, str(ok)], capture_output=True, text=True,
+                          timeout=60)
     assert proc.returncode == 0 and proc.stdout.count('"worker": ["127.0.0.1:') == 3
+
+
+@pytest.mark.parametrize("flags,env,expected", [
+    ((), {}, "2"),                                    # quiet by default
+    ((), {"TF_CPP_MIN_LOG_LEVEL": "0"}, "0"),         # the user's setting wins
+    (("--tf-cpp-logs",), {}, "None"),                 # asked for TensorFlow's C++ lines
+])
+def test_workers_do_not_print_tensorflow_cpp_info_lines_by_default(tmp_path, flags, env,
+                                                                   expected):
+    script = tmp_path / "w.py"
+    script.write_text("import os; print('level', os.environ.get('TF_CPP_MIN_LOG_LEVEL'))")
+    environ = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    proc = subprocess.run([sys.executable, "-m", "tfdp.run", "--workers", "1", *flags,
+                           "--log-dir", str(tmp_path), "--", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=60, env={**environ, **env})
+    assert proc.returncode == 0 and f"[w0] level {expected}\n" in proc.stdout, proc.stdout
+
+
+def test_failure_report_is_the_last_40_lines(tmp_path):
+    code, out = launch_fake(tmp_path, {"1@0": "chatty:100:3", "0@0": "block"}, "--log-dir",
+                            str(tmp_path / "logs"))
+    assert code == 3, out
+    lines = [line for line in out.splitlines() if line.startswith("[w1] ")]
+    assert lines == [f"[w1] line {i}" for i in range(60, 100)], out
+    assert "worker 1 failed (rank 1, slot 1, host " in out and "; last 40 lines of " in out
+    log = (tmp_path / "logs" / "attempt-0" / "worker-1.log").read_text().splitlines()
+    assert log[1:] == [f"line {i}" for i in range(100)]  # the whole output is in the log
 
 
 def test_job_timeout(tmp_path):
@@ -94,7 +151,8 @@ def test_job_timeout(tmp_path):
 # --- restarts, membership and signals, with TensorFlow-free workers ----------------------------
 
 def _fake_env(tmp_path, plan):
-    env = dict(os.environ, FAKE_OUT=str(tmp_path), FAKE_PLAN=json.dumps(plan))
+    # TMPDIR: tfdp-run's default log directory lands in the test's own directory.
+    env = dict(os.environ, FAKE_OUT=str(tmp_path), FAKE_PLAN=json.dumps(plan), TMPDIR=str(tmp_path))
     env.pop("TF_CONFIG", None)
     return env
 
@@ -264,6 +322,8 @@ def test_worker_that_never_joins_is_restarted(tmp_path):
                             "--start-timeout", "0.5")
     assert code == 0, out
     assert "[tfdp-run] restart 1/1: worker 1 did not join the cluster within 0.5 s\n" in out
+    # The worker that never joined is named with its output.
+    assert "[w1] fake worker slot 1 rank 1 attempt 0: never-join\n" in out, out
 
 
 def test_sigterm_to_the_launcher_is_forwarded_and_not_restarted(tmp_path):
@@ -355,14 +415,14 @@ def test_launcher_in_process(tmp_path, monkeypatch, waitid):
     # the launcher then polls).
     import io
 
-    from tfdp import supervisor
+    from tfdp import launch, supervisor
 
-    monkeypatch.setattr(run, "_HAVE_WAITID", waitid and run._HAVE_WAITID)
+    monkeypatch.setattr(launch, "_HAVE_WAITID", waitid and launch._HAVE_WAITID)
     out = io.StringIO()
     launcher = run.Launcher([sys.executable, FAKE_WORKER], supervisor.Policy(3, 3, 2),
                             env=_fake_env(tmp_path, {"1@0": "kill", "*@0": "block",
                                                      "1@*": "crash:4"}),
-                            grace_seconds=5, out=out)
+                            grace_seconds=5, out=out, log_dir=str(tmp_path / "logs"))
     assert launcher.run(start_timeout=30) == 0, out.getvalue()
     assert "restart 1/3: worker 1 exited with 137 (SIGKILL)\n" in out.getvalue()
     assert "worker 1 dropped:" in out.getvalue()

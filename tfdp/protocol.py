@@ -10,7 +10,8 @@ Environment variables the launcher sets for each worker
     ``TFDP_SLOT``              the worker's stable slot: keeps its identity across restarts,
                                while ranks are renumbered (slot order) when a slot is dropped.
     ``TFDP_ATTEMPT``           0 for the first launch, k after the k-th restart.
-    ``TFDP_CONTROL_DIR``       this attempt's control directory (files below).
+    ``TFDP_CONTROL_DIR``       this attempt's control directory (files below); on a host reached
+                               over ssh, a private directory whose files tfdp-run relays.
     ``TFDP_READY_FILE``        the file the strategy writes once the worker joined the cluster,
                                so the launcher can tell a worker that never joined from a slow one.
     ``TFDP_MIN_WORKERS``       ``--min-workers``; with ``TFDP_RESTARTS_LEFT`` it tells a worker
@@ -40,6 +41,8 @@ Exit codes
     127   ``EXIT_CANNOT_START``: the worker command could not be started.
     130   ``EXIT_INTERRUPTED``: Ctrl-C (128 + SIGINT).
     143   ``EXIT_PREEMPTED``: SIGTERM (128 + SIGTERM); workers back up at the same step first.
+    255   ``EXIT_HOST_UNREACHABLE``: ssh's own code; tfdp-run could not reach a host
+          (``--hosts``/``--hostfile``), no restart left or it may not be dropped.
     128+S a process killed by signal S.
 """
 
@@ -53,7 +56,8 @@ __all__ = [
     "MIN_WORKERS_ENV", "RESTARTS_LEFT_ENV", "GRACE_ENV", "CPU_REPLICAS_ENV", "ORDERLY_EXIT_ENV",
     "EVICT_FILE", "progress_file", "DEFAULT_GRACE_SECONDS",
     "EXIT_RESTART_REQUESTED", "EXIT_TIMEOUT", "EXIT_NEVER_JOINED", "EXIT_CANNOT_START",
-    "EXIT_INTERRUPTED", "EXIT_PREEMPTED", "EXIT_TERMINATED", "exit_code_of", "describe_exit",
+    "EXIT_INTERRUPTED", "EXIT_PREEMPTED", "EXIT_TERMINATED", "EXIT_HOST_UNREACHABLE",
+    "exit_code_of", "describe_exit",
 ]
 
 READY_FILE_ENV = "TFDP_READY_FILE"
@@ -80,6 +84,8 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT
 EXIT_PREEMPTED = 128 + signal.SIGTERM
 # The launcher itself was asked to stop: the same code as a preempted worker.
 EXIT_TERMINATED = EXIT_PREEMPTED
+# ssh exits 255 when it cannot connect (or loses the connection).
+EXIT_HOST_UNREACHABLE = 255
 
 
 def progress_file(control_dir: str, rank: int) -> str:

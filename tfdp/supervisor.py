@@ -26,7 +26,9 @@ below the launch size (elastic job) is a slot ever dropped, in two cases:
   the attempt had not completed its first training step (no worker wrote its progress file,
   :func:`tfdp.cluster.progress_file`) -- it failed again before the restarted job got going;
 * it is *evicted*: the workers exited with ``EXIT_RESTART_REQUESTED`` (75) and the chief
-  named its rank in ``evict.json``.
+  named its rank in ``evict.json``;
+* its host *cannot come back*: in a restarted attempt, ssh could not reach the host
+  (:class:`HostUnreachable`); every slot on that host is dropped together.
 
 A drop happens together with a restart and only while at least ``min_workers`` slots remain
 afterwards. A slot that cannot come back when dropping it would leave fewer than
@@ -41,7 +43,8 @@ Exit codes of the job: 0 every worker of an attempt finished with 0; the failing
 (128 + N for signal N) when restarts are exhausted or not allowed; 124 ``--timeout``; 125 a
 worker never joined and no restart was left; 130 Ctrl-C (SIGINT) to the launcher; 143 SIGTERM
 to the launcher (workers back up and stop, no restart); 75 an eviction that could not be
-granted with no restart left.
+granted with no restart left; 255 a host that could not be reached (ssh's code), with no
+restart left or below ``min_workers`` (the names are in :mod:`tfdp.protocol`).
 """
 
 from __future__ import annotations
@@ -51,13 +54,13 @@ import json
 import signal
 from typing import Optional, Sequence, Union
 
-from tfdp.protocol import (EXIT_INTERRUPTED, EXIT_NEVER_JOINED, EXIT_PREEMPTED,
-                           EXIT_RESTART_REQUESTED, EXIT_TERMINATED, EXIT_TIMEOUT, describe_exit,
-                           exit_code_of)
+from tfdp.protocol import (EXIT_HOST_UNREACHABLE, EXIT_INTERRUPTED, EXIT_NEVER_JOINED,
+                           EXIT_PREEMPTED, EXIT_RESTART_REQUESTED, EXIT_TERMINATED, EXIT_TIMEOUT,
+                           describe_exit, exit_code_of)
 
 __all__ = ["EXIT_TIMEOUT", "EXIT_NEVER_JOINED", "EXIT_INTERRUPTED", "EXIT_TERMINATED",
            "Policy", "JobState", "Completed", "WorkerExited", "NeverJoined", "EvictionRequested",
-           "Interrupted", "TimedOut", "Decision", "decide", "describe_exit", "exit_code_of",
+           "Interrupted", "TimedOut", "HostUnreachable", "Decision", "decide", "describe_exit", "exit_code_of",
            "parse_eviction", "Eviction", "AttemptEnd", "run_policy"]
 
 
@@ -187,8 +190,23 @@ class TimedOut:
     timeout: float
 
 
+@dataclasses.dataclass(frozen=True)
+class HostUnreachable:
+    """ssh could not reach a host: none of its workers started (or its connection was lost).
+
+    Args:
+        host: the host's name.
+        ranks: this attempt's ranks placed on that host, ascending.
+        code: the exit code the job ends with if it ends now (ssh's 255).
+    """
+
+    host: str
+    ranks: tuple
+    code: int = EXIT_HOST_UNREACHABLE
+
+
 AttemptEnd = Union[Completed, WorkerExited, NeverJoined, EvictionRequested, Interrupted,
-                   TimedOut]
+                   TimedOut, HostUnreachable]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +216,9 @@ class Decision:
     Attributes:
         exit_code: the job's exit code, or ``None`` to restart.
         next_state: the state of the next attempt (``None`` when finishing).
-        dropped_slot: the slot removed for the next attempt, if any.
+        dropped_slot: the slot removed for the next attempt, if any (the first of
+            ``dropped_slots``).
+        dropped_slots: every slot removed for the next attempt (several: a lost host's).
         messages: lines to log (without the ``[tfdp-run]`` prefix), in order.
     """
 
@@ -206,6 +226,7 @@ class Decision:
     next_state: Optional[JobState] = None
     dropped_slot: Optional[int] = None
     messages: tuple = ()
+    dropped_slots: tuple = ()
 
     @property
     def restart(self) -> bool:
@@ -238,19 +259,18 @@ def _finish(code: int, *messages: str) -> Decision:
     return Decision(exit_code=code, messages=tuple(messages))
 
 
-def _restart(policy: Policy, state: JobState, cause: str, drop_rank: Optional[int] = None,
+def _restart(policy: Policy, state: JobState, cause: str, drop_ranks: Sequence[int] = (),
              drop_reason: str = "") -> Decision:
     attempt = state.attempt + 1
     messages = [f"restart {attempt}/{policy.max_restarts}: {cause}"]
-    slots = state.slots
-    dropped = None
-    if drop_rank is not None:
-        dropped = state.slot_of(drop_rank)
-        slots = tuple(s for s in slots if s != dropped)
-        messages.append(f"worker {dropped} dropped: {drop_reason}; continuing on {len(slots)} "
-                        "workers")
+    dropped = tuple(state.slot_of(r) for r in drop_ranks)
+    slots = tuple(s for s in state.slots if s not in dropped)
+    if dropped:
+        who = f"worker {dropped[0]}" if len(dropped) == 1 else f"workers {list(dropped)}"
+        messages.append(f"{who} dropped: {drop_reason}; continuing on {len(slots)} workers")
     return Decision(exit_code=None, next_state=JobState(slots=slots, attempt=attempt),
-                    dropped_slot=dropped, messages=tuple(messages))
+                    dropped_slot=dropped[0] if dropped else None, dropped_slots=dropped,
+                    messages=tuple(messages))
 
 
 def decide(policy: Policy, state: JobState, end: AttemptEnd) -> Decision:
@@ -278,7 +298,7 @@ def decide(policy: Policy, state: JobState, end: AttemptEnd) -> Decision:
             refusal = (f"cannot evict {_worker(state, rank)}: no restarts left "
                        f"(--max-restarts {policy.max_restarts})")
         else:
-            return _restart(policy, state, cause, drop_rank=rank,
+            return _restart(policy, state, cause, drop_ranks=(rank,),
                             drop_reason=f"evicted by the job: {reason}")
         plain = (f"{_worker(state, end.exited_rank)} exited with "
                  f"{describe_exit(EXIT_RESTART_REQUESTED)}")
@@ -289,6 +309,8 @@ def decide(policy: Policy, state: JobState, end: AttemptEnd) -> Decision:
                 + restart.messages)
         return _finish(EXIT_RESTART_REQUESTED, f"{refusal}; stopping the job")
 
+    if isinstance(end, HostUnreachable):
+        return _decide_host(policy, state, end)
     if isinstance(end, WorkerExited):
         rank, code = end.rank, end.code
         cause = f"{_worker(state, rank)} exited with {describe_exit(code)}"
@@ -315,7 +337,27 @@ def decide(policy: Policy, state: JobState, end: AttemptEnd) -> Decision:
             return _finish(code, f"{_worker(state, rank)} cannot come back ({why}) and dropping "
                                  f"it would leave {n - 1} worker(s), below --min-workers "
                                  f"{policy.min_workers}; stopping the job")
-        return _restart(policy, state, cause, drop_rank=rank, drop_reason=why)
+        return _restart(policy, state, cause, drop_ranks=(rank,), drop_reason=why)
+    return _restart(policy, state, cause)
+
+
+def _decide_host(policy: Policy, state: JobState, end: HostUnreachable) -> Decision:
+    """Like a worker that cannot come back, for every slot on the host at once."""
+    slots = [state.slot_of(r) for r in end.ranks]
+    cause = f"cannot reach host {end.host} (worker(s) {slots})"
+    n, left = state.num_workers, state.restarts_left(policy)
+    if left <= 0:
+        if policy.max_restarts == 0:
+            return _finish(end.code)  # the failure itself was already logged
+        return _finish(end.code, f"restarts exhausted ({policy.max_restarts}/"
+                                 f"{policy.max_restarts}): {cause}")
+    if policy.elastic and state.attempt >= 1:
+        why = f"host {end.host} could not be reached again after restart {state.attempt}"
+        if n - len(slots) < policy.min_workers:
+            return _finish(end.code, f"{why}, and dropping its worker(s) {slots} would leave "
+                                     f"{n - len(slots)} worker(s), below --min-workers "
+                                     f"{policy.min_workers}; stopping the job")
+        return _restart(policy, state, cause, drop_ranks=end.ranks, drop_reason=why)
     return _restart(policy, state, cause)
 
 
