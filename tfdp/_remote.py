@@ -160,4 +160,9 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Not sys.exit: the signal relay thread is blocked reading stdin, and interpreter shutdown
+    # would wait for the lock it holds on sys.stdin.buffer.
+    os._exit(code)
