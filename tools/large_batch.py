@@ -1,12 +1,25 @@
-"""Large-batch experiment: test accuracy against global batch size for SGD+momentum, Adam,
-LARS and LAMB, with linear and square-root learning-rate scaling and linear warmup +
-cosine decay, at a fixed epoch budget, on the digits data bundled with scikit-learn.
+"""Large-batch experiments: steps to a target validation accuracy vs batch size, per optimizer
+(SGD with momentum, Adam, LARS, LAMB), learning rate tuned per batch size, several seeds,
+every trial trained under tfdp.DataParallelStrategy (Shallue et al. 2018's measurement).
 
-    python tools/large_batch.py        # ~5 min; writes docs/large_batch.{csv,md,png}
+    python tools/large_batch.py                       # digits, tiny; writes ./large_batch_digits*
+    python tools/large_batch.py --dataset=fashion_mnist --out=docs/large_batch \\
+        --batch_sizes=32,64,128,256,512,1024,2048,4096,8192 --threads=1
+    python tools/large_batch.py --out=docs/large_batch --report_only   # tables/plots only
+    python tools/large_batch.py --shard=1/2 --results=b.jsonl ...      # half the groups
+    python tools/large_batch.py --merge=a.jsonl,b.jsonl --results=all.jsonl
 
-Every run starts from the same initial weights and sees the same data order. The base
-learning rates were set once at batch 32 (not tuned per batch size): the point is how each
-optimizer holds up as the batch grows under a scaling rule, not the best reachable number.
+Every trial is one JSON line of the results file (``--results``, default ``{out}.jsonl``),
+written when it finishes. A rerun with the same flags skips the trials already there, so an
+interrupted sweep continues where it stopped; ``--shard=i/n`` runs every n-th (optimizer, batch,
+warmup) group, and ``--merge`` unites result files (one record per trial). The report (``{out}.md``
+generated section, ``{out}.csv``, ``{out}_steps.png``, ``{out}_compare.png``, ``{out}_lr.png``) is
+regenerated from the results file alone. The rules (budget, evaluation schedule, learning-rate
+search, regions) are in tools/large_batch_core.py's docstring; data in large_batch_data.py;
+training in large_batch_train.py.
+
+Exit status: 0; 1 for bad flags, files or a target the untrained model already meets; 2 when
+no trial reached the target (the trials stay in the results file).
 """
 
 from __future__ import annotations
@@ -18,121 +31,171 @@ import time
 from absl import app, flags, logging as absl_logging
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import report  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+import large_batch_core as core  # noqa: E402
+import large_batch_data  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("batch_sizes", ["32", "64", "128", "256", "512", "1024"], "Global batch sizes.")
+flags.DEFINE_enum("dataset", "digits", ["digits", "fashion_mnist"], "Dataset.")
+flags.DEFINE_string("data_dir", "", "Directory with the four Fashion-MNIST *-ubyte.gz files "
+                    "(default: Keras's cache, then /usr/share/datasets/fashion-mnist, then "
+                    "keras.datasets.fashion_mnist.load_data()).")
+flags.DEFINE_integer("validation_examples", 0, "Validation examples held out from the training "
+                     "split (0: 360 for digits, 5000 for Fashion-MNIST).")
+flags.DEFINE_list("hidden", ["128"], "Hidden layer widths of the MLP.")
+flags.DEFINE_float("target", 0.0, "Target validation accuracy (0: 0.95 digits, 0.85 Fashion-MNIST).")
+flags.DEFINE_list("batch_sizes", ["auto"], "Global batch sizes ('auto': powers of two from 32 to "
+                  "the training-set size).")
 flags.DEFINE_list("optimizers", ["sgd", "adam", "lars", "lamb"], "Optimizers.")
-flags.DEFINE_list("rules", ["linear", "sqrt"], "Learning-rate scaling rules.")
-flags.DEFINE_integer("epochs", 40, "Epoch budget (the same for every batch size).")
-flags.DEFINE_float("warmup_epochs", 3.0, "Linear warmup length in epochs.")
-flags.DEFINE_integer("seeds", 1, "Seeds per point (the mean is reported).")
-flags.DEFINE_string("out", "docs/large_batch", "Output prefix for .csv/.md/.png ('' to skip).")
+flags.DEFINE_integer("seeds", 2, "Seeds per learning rate (0..seeds-1).")
+flags.DEFINE_list("warmup_fractions", ["0.05"], "Warmup lengths to try, as fractions of the budget.")
+flags.DEFINE_float("max_epochs", 0.0, "Budget in epochs per trial (0: 60 digits, 20 Fashion-MNIST).")
+flags.DEFINE_integer("max_steps", -1, "Cap on the budget in steps (0: none; -1: 400 digits, "
+                     "3000 Fashion-MNIST).")
+flags.DEFINE_float("eval_ratio", 2 ** (1 / 6), "Geometric spacing of the evaluation steps.")
+flags.DEFINE_float("lr_ratio", 2.0, "Spacing of the learning-rate lattice.")
+flags.DEFINE_list("ref_lrs", ["sgd=0.05", "adam=0.001", "lars=2.0", "lamb=0.002"],
+                  "Lattice centre per optimizer at --ref_batch.")
+flags.DEFINE_integer("ref_batch", 32, "Batch size of --ref_lrs (larger batches start the search "
+                     "at the square-root rule).")
+flags.DEFINE_integer("lr_initial_points", 3, "First learning-rate grid size per batch size.")
+flags.DEFINE_integer("lr_max_points", 6, "Most learning rates tried per batch size.")
+flags.DEFINE_float("momentum", 0.9, "SGD and LARS momentum.")
+flags.DEFINE_float("trust_coefficient", 0.001, "LARS trust coefficient.")
+flags.DEFINE_float("weight_decay", 0.0, "Weight decay (all optimizers; 0: none).")
+flags.DEFINE_integer("replicas", 2, "Logical CPU replicas when there is no GPU.")
+flags.DEFINE_integer("threads", 0, "TensorFlow intra- and inter-op threads (0: TensorFlow's "
+                     "default; 1 to share a machine).")
+flags.DEFINE_integer("max_replica_batch", 4096, "Largest batch per replica at once; larger "
+                     "batches use gradient accumulation (0: no limit).")
+flags.DEFINE_string("out", "", "Output prefix of the report (default: large_batch_<dataset>).")
+flags.DEFINE_string("results", "", "Results file, one JSON trial per line (default: {out}.jsonl).")
+flags.DEFINE_string("shard", "0/1", "Run shard i of n of the (optimizer, batch, warmup) groups.")
+flags.DEFINE_integer("max_trials", 0, "Stop after training this many trials (0: no limit).")
+flags.DEFINE_boolean("report_only", False, "Only regenerate the report from --results.")
+flags.DEFINE_list("merge", [], "Result files to merge into --results (then report).")
+flags.DEFINE_boolean("report_every_group", True, "Regenerate the report after every group.")
 
-BASE_BATCH = 32
-# Base learning rates at batch 32 (set once; see module docstring). LARS's step moves each
-# layer by about lr * trust_coefficient of its norm; 0.05 * 0.02 = 0.1% per step at batch 32
-# grows to ~3% at batch 1024 under linear scaling, near the ~1% the LARS paper runs at its
-# target batch. (A first run with 0.5 diverged from batch 64 on under linear scaling: 32% per
-# step at 1024; that is the reason for this value, not per-batch tuning.)
-BASE_LR = {"sgd": 0.05, "adam": 1e-3, "lars": 0.05, "lamb": 2e-3}
+DEFAULTS = {"digits": {"target": 0.95, "max_epochs": 60.0, "max_steps": 400},
+            "fashion_mnist": {"target": 0.85, "max_epochs": 20.0, "max_steps": 3000}}
 
 
-def make_optimizer(name, schedule, tfdp, keras):
-    if name == "sgd":
-        return keras.optimizers.SGD(schedule, momentum=0.9)
-    if name == "adam":
-        return keras.optimizers.Adam(schedule)
-    if name == "lars":
-        opt = tfdp.optimizers.LARS(schedule, momentum=0.9, weight_decay=1e-4, trust_coefficient=0.02)
-    else:
-        opt = tfdp.optimizers.LAMB(schedule, weight_decay=1e-4)
-    opt.exclude_from_weight_decay(var_names=["bias"])
-    return opt
+def _paths():
+    out = FLAGS.out or f"large_batch_{FLAGS.dataset}"
+    return out, FLAGS.results or f"{out}.jsonl"
+
+
+def _ref_lrs() -> dict:
+    ref = {}
+    for item in FLAGS.ref_lrs:
+        name, _, value = item.partition("=")
+        try:
+            ref[name] = float(value)
+        except ValueError:
+            raise core.HarnessError(f"--ref_lrs item {item!r} is not name=float.") from None
+    missing = [o for o in FLAGS.optimizers if o not in ref]
+    if missing:
+        raise core.HarnessError(f"--ref_lrs has no entry for {', '.join(missing)}.")
+    return ref
+
+
+def _batches(n_train: int) -> list[int]:
+    if FLAGS.batch_sizes == ["auto"]:
+        return [2 ** i for i in range(5, 40) if 2 ** i <= n_train]
+    return sorted({int(b) for b in FLAGS.batch_sizes})
+
+
+def report_from(results: str, out: str) -> int:
+    """Writes the report of ``results``; 2 when no trial reached the target."""
+    import large_batch_report
+
+    records = core.read_records(results)
+    if not records:
+        raise core.HarnessError(f"{results} holds no trials: run a sweep first.")
+    paths = large_batch_report.write_report(records, out)
+    print(f"report from {len(records)} trials in {results}: wrote {', '.join(paths)}", flush=True)
+    message = large_batch_report.unreached_message(records)
+    if message:
+        print(f"large_batch: {message}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+def _checked_lists():
+    warmups = [round(float(w), 6) for w in FLAGS.warmup_fractions]
+    if any(not 0 <= w < 1 for w in warmups):
+        raise core.HarnessError(f"--warmup_fractions={FLAGS.warmup_fractions}: need 0 <= w < 1.")
+    for name in FLAGS.optimizers:
+        if name not in ("sgd", "adam", "lars", "lamb"):
+            raise core.HarnessError(f"--optimizers: {name!r} is not sgd, adam, lars or lamb.")
+    if FLAGS.seeds < 1:
+        raise core.HarnessError(f"--seeds={FLAGS.seeds} must be >= 1.")
+    return warmups
+
+
+def run_sweep(out, results) -> int:
+    import large_batch_sweep
+
+    warmups = _checked_lists()
+    shard = core.parse_shard(FLAGS.shard)
+    data = large_batch_data.load(FLAGS.dataset, FLAGS.validation_examples, FLAGS.data_dir)
+    defaults = DEFAULTS[FLAGS.dataset]
+    setup = large_batch_sweep.build_setup(
+        data, hidden=FLAGS.hidden, target=FLAGS.target or defaults["target"],
+        max_epochs=FLAGS.max_epochs or defaults["max_epochs"],
+        max_steps=defaults["max_steps"] if FLAGS.max_steps < 0 else FLAGS.max_steps,
+        eval_ratio=FLAGS.eval_ratio, lr_ratio=FLAGS.lr_ratio, ref_lrs=_ref_lrs(),
+        ref_batch=FLAGS.ref_batch, momentum=FLAGS.momentum,
+        trust_coefficient=FLAGS.trust_coefficient, weight_decay=FLAGS.weight_decay)
+    core.eval_steps(1, setup["eval_ratio"])  # validates the ratio
+    groups = core.shard_groups(core.sweep_groups(FLAGS.optimizers, _batches(setup["n_train"]),
+                                                 warmups), shard)
+    strategy = []
+
+    def train(key):
+        import large_batch_train
+
+        if not strategy:  # TensorFlow starts only when there is something to train
+            strategy.append(large_batch_train.configure(FLAGS.replicas, FLAGS.threads))
+        return large_batch_train.run_trial(strategy[0], data, setup, key,
+                                           max_replica_batch=FLAGS.max_replica_batch,
+                                           threads=FLAGS.threads)
+
+    sweep = large_batch_sweep.Sweep(
+        setup, results, groups, list(range(FLAGS.seeds)), train,
+        initial=FLAGS.lr_initial_points, max_points=FLAGS.lr_max_points,
+        max_trials=FLAGS.max_trials,
+        on_group_done=(lambda: report_from(results, out)) if FLAGS.report_every_group else None,
+        log=lambda line: print(line, flush=True))
+    finished = sweep.run()
+    print(f"trained {sweep.trained} new trial(s) in {(time.time() - sweep.started) / 60:.1f} min; "
+          f"{len(sweep.records)} in {results}" + ("" if finished else " (stopped early)"),
+          flush=True)
+    return report_from(results, out) if sweep.records else 0
 
 
 def main(argv):
     del argv
     absl_logging.set_verbosity(absl_logging.WARNING)
-    import numpy as np
-    import keras
-    import tensorflow as tf
-
-    import tfdp
-    from common import load_digits
-
-    (x_train, y_train), (x_test, y_test) = load_digits()
-    n_train = len(x_train)
-
-    def model_fn():
-        return keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, activation="relu"),
-                                 keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
-
-    results = []
-    started = time.time()
-    batches = [int(b) for b in FLAGS.batch_sizes]
-    total = len(FLAGS.optimizers) * len(FLAGS.rules) * len(batches) * FLAGS.seeds
-    done = 0
-    for opt_name in FLAGS.optimizers:
-        for rule in FLAGS.rules:
-            for batch in batches:
-                accs = []
-                for seed in range(FLAGS.seeds):
-                    keras.utils.set_random_seed(seed)
-                    model = model_fn()
-                    steps = max(1, n_train // batch)
-                    peak = tfdp.scale_learning_rate(BASE_LR[opt_name], BASE_BATCH, batch, rule=rule)
-                    schedule = tfdp.schedules.WarmupCosineDecay(
-                        peak, warmup_steps=tfdp.schedules.steps_for_epochs(FLAGS.warmup_epochs, n_train, batch),
-                        total_steps=steps * FLAGS.epochs)
-                    model.compile(optimizer=make_optimizer(opt_name, schedule, tfdp, keras),
-                                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                                  metrics=["accuracy"])
-                    data = tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(
-                        n_train, seed=seed).batch(batch, drop_remainder=True)
-                    model.fit(data, epochs=FLAGS.epochs, verbose=0)
-                    _, acc = model.evaluate(x_test, y_test, batch_size=512, verbose=0)
-                    accs.append(acc)
-                    done += 1
-                acc = float(np.mean(accs))
-                results.append({"optimizer": opt_name, "rule": rule, "batch": batch,
-                                "peak_lr": peak, "test_accuracy": acc})
-                print(f"[{time.time() - started:5.0f}s {done}/{total}] {opt_name:5s} {rule:6s} "
-                      f"batch {batch:5d} peak lr {peak:.4g}: test accuracy {acc:.4f}", flush=True)
-
-    header = "| optimizer | rule | " + " | ".join(str(b) for b in batches) + " |"
-    lines = [header, "|---|---|" + "---:|" * len(batches)]
-    for opt_name in FLAGS.optimizers:
-        for rule in FLAGS.rules:
-            row = [r["test_accuracy"] for r in results if r["optimizer"] == opt_name and r["rule"] == rule]
-            lines.append(f"| {opt_name} | {rule} | " + " | ".join(f"{a:.3f}" for a in row) + " |")
-    table = "\n".join(lines)
-    print("\n" + table)
-    if not FLAGS.out:
-        return
-    report.write_csv(FLAGS.out + ".csv", results)
-    report.write_text(FLAGS.out + ".md", "# Large-batch experiment (tools/large_batch.py)\n\n"
-                f"Digits (sklearn, {n_train} train / {len(x_test)} test), MLP 64-256-128-10, "
-                f"{FLAGS.epochs} epochs at every batch size, warmup {FLAGS.warmup_epochs} epochs then "
-                f"cosine decay, base learning rates at batch {BASE_BATCH}: {BASE_LR}; LARS/LAMB "
-                "weight decay 1e-4 (biases excluded), LARS trust coefficient 0.02. Test accuracy, "
-                      f"mean of {FLAGS.seeds} seed(s).\n\n" + table)
-    plt = report.pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for opt_name in FLAGS.optimizers:
-        for rule, style in zip(FLAGS.rules, ("-o", "--s")):
-            pts = [(r["batch"], r["test_accuracy"]) for r in results
-                   if r["optimizer"] == opt_name and r["rule"] == rule]
-            ax.plot(*zip(*pts), style, label=f"{opt_name} ({rule})")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("global batch size")
-    ax.set_ylabel("test accuracy")
-    ax.set_title(f"Digits, {FLAGS.epochs} epochs, warmup + cosine")
-    ax.legend(fontsize=7, ncol=2)
-    report.save_figure(fig, FLAGS.out + ".png")
-    print(f"wrote {FLAGS.out}.csv/.md/.png")
+    out, results = _paths()
+    try:
+        if FLAGS.merge:
+            lists = [core.read_records(p) for p in [results, *FLAGS.merge]]
+            merged, duplicates = core.merge_records(lists)
+            core.write_records(results, merged)
+            print(f"merged {sum(map(len, lists[1:]))} trials from {len(FLAGS.merge)} file(s) "
+                  f"into {results}: {len(merged)} trials, {duplicates} duplicate(s) dropped",
+                  flush=True)
+            return report_from(results, out)
+        if FLAGS.report_only:
+            return report_from(results, out)
+        core.validate_target(FLAGS.target or DEFAULTS[FLAGS.dataset]["target"])
+        return run_sweep(out, results)
+    except (core.HarnessError, large_batch_data.DataUnavailableError) as error:
+        print(f"large_batch: {error}", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":
