@@ -61,8 +61,17 @@ def test_parse_args_rejects_bad_restart_flags(flags, problem, capsys):
     assert problem in capsys.readouterr().err
 
 
+def test_log_dir_that_cannot_be_created_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit):
+        run.parse_args(["--workers", "1", "--log-dir", str(tmp_path / "file" / "logs"), "--", "x"])
+    assert f"--log-dir {tmp_path}/file/logs: cannot create it (Not a directory)" in \
+        capsys.readouterr().err
+
+
 def test_launcher_does_not_import_tensorflow():
-    code = "import sys, tfdp.run, tfdp.cluster; print('tensorflow' in sys.modules, 'keras' in sys.modules)"
+    code = ("import sys, tfdp.run, tfdp.cluster, tfdp.launch, tfdp.hosts; "
+            "print('tensorflow' in sys.modules, 'keras' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False False", out.stderr
 

@@ -523,6 +523,11 @@ def parse_args(argv):
     if args.grace_period < 0:
         parser.error(f"--grace-period {args.grace_period:g}: must be 0 or more seconds")
     args.env_names, args.env_values = _env_args(parser, args.env)
+    if args.log_dir:
+        try:
+            os.makedirs(args.log_dir, exist_ok=True)
+        except OSError as e:
+            parser.error(f"--log-dir {args.log_dir}: cannot create it ({e.strerror})")
     args.command = command
     return args
 
