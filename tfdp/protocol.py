@@ -22,6 +22,11 @@ Environment variables the launcher sets for each worker
 
 Environment variables the user may set
     ``TFDP_ORDERLY_EXIT``      ``0`` turns off the workers' exit barrier (tfdp.orderly_exit).
+    ``TFDP_PORT_BASE``         the first of the ports workers listen on when tfdp builds the
+                               cluster itself (Slurm, SageMaker's ``SM_HOSTS``; tfdp.slurm).
+    ``TFDP_EVICT_EXIT_CODE``   the code workers exit with to ask for a restart without a worker
+                               (default 75); a scheduler that retries only codes >= 128
+                               (Kubeflow ``restartPolicy: ExitCode``) needs one of those.
 
 Control files, under ``TFDP_CONTROL_DIR`` (fresh for every attempt)
     ``step-{rank}``            written by a worker after its first completed training step of
@@ -54,7 +59,8 @@ import signal
 __all__ = [
     "READY_FILE_ENV", "RANK_ENV", "SLOT_ENV", "ATTEMPT_ENV", "CONTROL_DIR_ENV",
     "MIN_WORKERS_ENV", "RESTARTS_LEFT_ENV", "GRACE_ENV", "CPU_REPLICAS_ENV", "ORDERLY_EXIT_ENV",
-    "EVICT_FILE", "progress_file", "DEFAULT_GRACE_SECONDS",
+    "EVICT_FILE", "progress_file", "DEFAULT_GRACE_SECONDS", "PORT_BASE_ENV",
+    "EVICT_EXIT_CODE_ENV", "restart_requested_exit_code",
     "EXIT_RESTART_REQUESTED", "EXIT_TIMEOUT", "EXIT_NEVER_JOINED", "EXIT_CANNOT_START",
     "EXIT_INTERRUPTED", "EXIT_PREEMPTED", "EXIT_TERMINATED", "EXIT_HOST_UNREACHABLE",
     "exit_code_of", "describe_exit",
@@ -70,6 +76,8 @@ RESTARTS_LEFT_ENV = "TFDP_RESTARTS_LEFT"
 GRACE_ENV = "TFDP_GRACE_SECONDS"
 CPU_REPLICAS_ENV = "TFDP_CPU_REPLICAS"
 ORDERLY_EXIT_ENV = "TFDP_ORDERLY_EXIT"
+PORT_BASE_ENV = "TFDP_PORT_BASE"
+EVICT_EXIT_CODE_ENV = "TFDP_EVICT_EXIT_CODE"
 
 EVICT_FILE = "evict.json"
 
@@ -91,6 +99,28 @@ EXIT_HOST_UNREACHABLE = 255
 def progress_file(control_dir: str, rank: int) -> str:
     """The file a worker writes after its first completed training step of an attempt."""
     return os.path.join(control_dir, f"step-{rank}")
+
+
+def restart_requested_exit_code(environ=None) -> int:
+    """The code workers exit with to ask for a restart with another membership.
+
+    ``EXIT_RESTART_REQUESTED`` (75) unless ``TFDP_EVICT_EXIT_CODE`` names another code from 1
+    to 255. Kubeflow's ``restartPolicy: ExitCode`` retries only codes >= 128 and fails the job
+    on lower ones, so a job that lets a straggler be evicted there sets e.g. 200 (not 128 + a
+    signal's number, which would read as that signal). A launcher recognising the request
+    must read the same variable.
+
+    Raises:
+        ValueError: the variable is not an integer from 1 to 255.
+    """
+    environ = os.environ if environ is None else environ
+    text = environ.get(EVICT_EXIT_CODE_ENV, "").strip()
+    if not text:
+        return EXIT_RESTART_REQUESTED
+    if not text.isdigit() or not 1 <= int(text) <= 255:
+        raise ValueError(f"{EVICT_EXIT_CODE_ENV}={text!r} is not an exit code from 1 to 255. "
+                         f"Fix: unset it (code {EXIT_RESTART_REQUESTED}) or give e.g. 200.")
+    return int(text)
 
 
 def exit_code_of(returncode: int) -> int:

@@ -162,6 +162,41 @@ def _resolve_devices(requested):
     return names, types.pop()
 
 
+def _resolve_cluster(cluster, cluster_resolver) -> ClusterConfig:
+    """The job's ``ClusterConfig`` from ``cluster``, ``cluster_resolver`` or the environment."""
+    if cluster is not None and cluster_resolver is not None:
+        raise ValueError(
+            "cluster= and cluster_resolver= were both given; pass one of them (a resolver is "
+            "converted with tfdp.ClusterConfig.from_resolver).")
+    if cluster_resolver is not None:
+        cluster = ClusterConfig.from_resolver(cluster_resolver)
+    elif cluster is None:
+        cluster = ClusterConfig.from_env()
+    if not isinstance(cluster, ClusterConfig):
+        raise TypeError(f"cluster must be a tfdp.ClusterConfig, got {type(cluster).__name__}.")
+    log.info("tfdp: %s", cluster.describe())
+    return cluster
+
+
+def _task_gpu_devices(positions) -> list:
+    """Local device names for this task's share of GPUs its node's tasks all see.
+
+    ``positions`` index ``CUDA_VISIBLE_DEVICES``, as TensorFlow numbers its GPUs
+    (``tfdp.slurm.task_gpus``). The others are hidden with the public
+    ``tf.config.set_visible_devices`` so TensorFlow allocates no memory on them; once
+    TensorFlow has initialised its devices that is too late and the names select them.
+    """
+    gpus = tf.config.list_physical_devices("GPU")
+    if max(positions) >= len(gpus):
+        raise ValueError(f"this task's GPU positions {list(positions)} exceed the {len(gpus)} "
+                         "GPU(s) TensorFlow sees; pass devices= explicitly.")
+    try:
+        tf.config.set_visible_devices([gpus[i] for i in positions], "GPU")
+    except RuntimeError:
+        return [f"/device:GPU:{i}" for i in positions]
+    return [f"/device:GPU:{j}" for j in range(len(positions))]
+
+
 def leave_together_at_exit(uncaught_exception: bool, exit_code, environ=None) -> bool:
     """Whether this worker should take part in the orderly exit; pure policy.
 
@@ -354,13 +389,16 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         compression: ``None``, ``"fp16"`` or ``"bf16"``: dtype of gradients on the wire.
         timeout_seconds: collective timeout, so that a dead peer gives an error instead of
             a hang. None = 300 s with several workers, no timeout in one process.
-        cluster: a ``tfdp.ClusterConfig``; default ``ClusterConfig.from_env()``.
+        cluster: a ``tfdp.ClusterConfig``; default ``ClusterConfig.from_env()`` (TF_CONFIG,
+            Vertex AI's CLUSTER_SPEC, SageMaker's SM_HOSTS, a Slurm step; see tfdp.cluster).
+        cluster_resolver: any ``tf.distribute.cluster_resolver.ClusterResolver`` instead of
+            ``cluster``, as ``MultiWorkerMirroredStrategy`` takes it.
     """
 
     _is_tfdp_strategy = True
 
     def __init__(self, devices=None, *, communication="auto", bucket_bytes=None,
-                 compression=None, timeout_seconds=None, cluster=None):
+                 compression=None, timeout_seconds=None, cluster=None, cluster_resolver=None):
         if compression not in collectives.COMPRESSION_DTYPES:
             raise ValueError(
                 f"compression={compression!r} is not one of None, 'fp16', 'bf16'.")
@@ -372,10 +410,9 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
                 "per tensor) or None for the default.")
         if timeout_seconds is not None and not timeout_seconds > 0:
             raise ValueError(f"timeout_seconds={timeout_seconds!r} must be positive or None.")
-        if cluster is None:
-            cluster = ClusterConfig.from_env()
-        if not isinstance(cluster, ClusterConfig):
-            raise TypeError(f"cluster must be a tfdp.ClusterConfig, got {type(cluster).__name__}.")
+        cluster = _resolve_cluster(cluster, cluster_resolver)
+        if devices is None and cluster.task_gpus is not None:
+            devices = _task_gpu_devices(cluster.task_gpus)
         devices_lib.configure_from_env()
         names, device_type = _resolve_devices(devices)
         self._tfdp_communication = resolve_communication(communication, device_type)
