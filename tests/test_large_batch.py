@@ -1,6 +1,7 @@
 """The large-batch harness (tools/large_batch*.py): its pure rules, then real sweeps on digits
 under DataParallelStrategy (the conftest's 4 logical CPU replicas)."""
 
+import csv
 import gzip
 import json
 import math
@@ -44,6 +45,17 @@ def test_steps_to_target_is_the_first_evaluated_step_at_or_above_the_target():
     assert core.steps_to_target(curve, 0.86) == 20
     assert core.steps_to_target(curve, 0.87) == 80
     assert core.steps_to_target(curve, 0.95) is None
+
+
+def test_records_read_at_a_lower_target_but_not_a_higher_one():
+    record = {"curve": [[0, 0.1, None], [10, 0.7, 1.0], [20, 0.86, 0.5]], "status": "reached",
+              "steps_to_target": 20, "setup": {"target": 0.85}}
+    lower = core.retarget([record], 0.6)[0]
+    assert lower["steps_to_target"] == 10 and lower["setup"]["target"] == 0.6
+    assert lower["setup"]["ran_for_target"] == 0.85 and record["steps_to_target"] == 20
+    assert core.retarget([record], 0.85)[0]["steps_to_target"] == 20
+    with pytest.raises(core.HarnessError, match="above the target the trials ran for"):
+        core.retarget([record], 0.9)
 
 
 def test_budget_is_epochs_capped_by_steps():
@@ -201,6 +213,53 @@ def test_best_points_pick_the_best_complete_learning_rate():
     assert point["seed_steps"] == [100, 140] and point["bracketed"] and point["points"] == 3
 
 
+def _full_record(opt, batch, lr_index, seed, steps):
+    setup = {"dataset": "synthetic", "n_train": 1000, "n_val": 100, "features": 8, "classes": 10,
+             "hidden": [16], "target": 0.9, "max_epochs": 10.0, "max_steps": 0,
+             "eval_ratio": 1.1, "lr_ratio": 2.0, "ref_lrs": {"sgd": 0.1, "lars": 1.0},
+             "ref_batch": 32, "momentum": 0.9, "trust_coefficient": 0.001, "weight_decay": 0.0}
+    curve = [[0, 0.1, None]] + ([[steps, 0.95, 0.1]] if steps else [[50, 0.5, 1.0]])
+    return {"optimizer": opt, "batch": batch, "warmup": 0.05, "lr_index": lr_index, "seed": seed,
+            "lr": 0.1 * 2 ** lr_index, "status": "reached" if steps else "budget",
+            "steps_to_target": steps, "best_accuracy": 0.95 if steps else 0.5,
+            "budget_steps": 50, "curve": curve, "accumulation": 1, "replicas": 2,
+            "examples": (steps or 50) * batch, "seconds": 1.0, "cpu_seconds": 2.0, "host": "h",
+            "setup": setup}
+
+
+def test_report_reads_regions_and_keeps_hand_written_text(tmp_path):
+    import large_batch_report
+
+    # sgd: perfect 32->64, diminishing 64->128, maximal 128->256; lars misses at 256.
+    best = {"sgd": {32: 800, 64: 400, 128: 280, 256: 270}, "lars": {32: 800, 64: 400, 128: 200,
+                                                                      256: None}}
+    records = []
+    for opt, points in best.items():
+        for batch, steps in points.items():
+            for lr_index, factor in ((-1, 1.5), (0, 1.0), (1, 1.3)):
+                for seed in (0, 1):
+                    records.append(_full_record(opt, batch, lr_index, seed,
+                                                steps and round(steps * factor)))
+    out = str(tmp_path / "lb")
+    with open(out + ".md", "w") as f:
+        f.write("# Title\n\nAnalysis by hand.\n\n" + large_batch_report.BEGIN + "\nold\n"
+                + large_batch_report.END + "\n\nMore by hand.\n")
+    large_batch_report.write_report(records, out)
+    text = open(out + ".md").read()
+    assert text.startswith("# Title\n\nAnalysis by hand.") and text.endswith("More by hand.\n")
+    assert "\nold\n" not in text
+    assert "| 64 | 400 @ 0.1 | 400 @ 0.1 |" in text and "| 256 | 270 @ 0.1 | missed |" in text
+    assert ("- sgd: perfect scaling 32→64; diminishing returns 64→128; maximal data parallelism "
+            "128→256.") in text
+    assert "- lars: perfect scaling 32→128; target missed at the larger batch 128→256." in text
+    assert "48 trials (42 reached the target, 6 ran out of budget, 0 diverged)" in text
+    rows = list(csv.DictReader(open(out + ".csv")))
+    assert [r["region_to_next_batch"] for r in rows[:4]] == ["perfect", "diminishing", "maximal", ""]
+    assert large_batch_report.unreached_message(records) is None
+    missed = [dict(r, steps_to_target=None) for r in records]
+    assert "no trial reached --target=0.9" in large_batch_report.unreached_message(missed)
+
+
 def _write_idx(path, array):
     header = bytes([0, 0, 0x08, array.ndim]) + b"".join(
         int(d).to_bytes(4, "big") for d in array.shape)
@@ -311,24 +370,35 @@ def test_untrained_model_meeting_the_target_is_refused(strategy, digits):
                                     core.trial_key("sgd", 64, 0.05, 0, 0))
 
 
+def test_interrupted_sweep_resumes_without_redoing_trials(strategy, digits, tmp_path):
+    setup = _setup(digits)
+    groups = [("sgd", 64, 0.05)]
+    options = dict(initial=1, max_points=2)  # 2 learning rates x 2 seeds = 4 trials
+    path = str(tmp_path / "r.jsonl")
+    train, trained = _counting_trainer(strategy, digits, setup)
+    first = large_batch_sweep.Sweep(setup, path, groups, [0, 1], train, max_trials=1, **options)
+    assert first.run() is False and len(trained) == 1 and len(core.read_records(path)) == 1
+    second = large_batch_sweep.Sweep(setup, path, groups, [0, 1], train, **options)
+    assert second.run() is True and second.trained == 3 and len(trained) == 4
+    keys = [core.record_key(r) for r in core.read_records(path)]
+    assert len(keys) == len(set(keys)) == 4 and sorted(keys) == sorted(trained)
+    third = large_batch_sweep.Sweep(setup, path, groups, [0, 1], train, **options)
+    assert third.run() is True and third.trained == 0 and len(trained) == 4
+    # Another setup (here: another budget) is refused rather than mixed in.
+    with pytest.raises(core.HarnessError, match="max_steps: 200 != 300"):
+        large_batch_sweep.Sweep(_setup(digits, max_steps=300), path, groups, [0, 1], train)
+
+
 @pytest.mark.slow
-def test_interrupted_sweep_resumes_without_redoing_trials_and_shards_merge(strategy, digits,
-                                                                          tmp_path):
+def test_sweep_split_over_shards_merges_into_the_whole_sweep(strategy, digits, tmp_path):
     setup = _setup(digits)
     groups = core.sweep_groups(["sgd"], [64, 256], [0.05])
     options = dict(initial=1, max_points=2)
-    full = str(tmp_path / "full.jsonl")
+    whole = str(tmp_path / "whole.jsonl")
     train, trained = _counting_trainer(strategy, digits, setup)
-    first = large_batch_sweep.Sweep(setup, full, groups, [0, 1], train, max_trials=3, **options)
-    assert first.run() is False and len(trained) == 3 and len(core.read_records(full)) == 3
-    second = large_batch_sweep.Sweep(setup, full, groups, [0, 1], train, **options)
-    assert second.run() is True
-    keys = [core.record_key(r) for r in core.read_records(full)]
-    assert len(keys) == len(set(keys)) == len(trained) == 3 + second.trained
-    assert second.trained == 5  # 2 groups x 2 learning rates x 2 seeds, minus the 3 done
-    assert sorted(keys) == sorted(trained)
-    third = large_batch_sweep.Sweep(setup, full, groups, [0, 1], train, **options)
-    assert third.run() is True and third.trained == 0
+    large_batch_sweep.Sweep(setup, whole, groups, [0, 1], train, **options).run()
+    keys = sorted(core.record_key(r) for r in core.read_records(whole))
+    assert len(keys) == len(trained) == 8
 
     # The same sweep split over two "machines" (shards 0/2 and 1/2), then merged with the CLI.
     parts = [str(tmp_path / f"part{i}.jsonl") for i in range(2)]
@@ -336,24 +406,22 @@ def test_interrupted_sweep_resumes_without_redoing_trials_and_shards_merge(strat
         shard_groups = core.shard_groups(groups, (i, 2))
         train_i, trained_i = _counting_trainer(strategy, digits, setup)
         large_batch_sweep.Sweep(setup, part, shard_groups, [0, 1], train_i, **options).run()
-        assert {k[1] for k in trained_i} == {g[1] for g in shard_groups}
+        assert {k[1] for k in trained_i} == {g[1] for g in shard_groups} and len(trained_i) == 4
     merged = str(tmp_path / "merged.jsonl")
     core.write_records(merged, core.read_records(parts[0])[:1])  # an overlap to de-duplicate
     proc = subprocess.run([sys.executable, SCRIPT, f"--merge={parts[0]},{parts[1]}",
                            f"--results={merged}", f"--out={tmp_path}/merged"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "1 duplicate(s) dropped" in proc.stdout
-    merged_keys = sorted(core.record_key(r) for r in core.read_records(merged))
-    assert merged_keys == sorted(keys)  # the shards ran exactly the trials of the whole sweep
+    assert "8 trials, 1 duplicate(s) dropped" in proc.stdout
+    assert sorted(core.record_key(r) for r in core.read_records(merged)) == keys
     # The report comes from the results file alone.
     text = open(f"{tmp_path}/merged.md").read()
-    assert "| 64 |" in text and "| 256 |" in text and "sgd:" in text
+    assert "| 64 |" in text and "| 256 |" in text and "- sgd:" in text
     for suffix in ("_steps.png", "_compare.png", "_lr.png", ".csv"):
         assert os.path.getsize(f"{tmp_path}/merged{suffix}") > 0
 
 
-@pytest.mark.slow
 def test_a_target_no_trial_reaches_is_reported_with_the_best_accuracy(strategy, digits, tmp_path):
     setup = _setup(digits, target=0.999, max_steps=12)
     path = str(tmp_path / "r.jsonl")

@@ -75,6 +75,8 @@ flags.DEFINE_string("results", "", "Results file, one JSON trial per line (defau
 flags.DEFINE_string("shard", "0/1", "Run shard i of n of the (optimizer, batch, warmup) groups.")
 flags.DEFINE_integer("max_trials", 0, "Stop after training this many trials (0: no limit).")
 flags.DEFINE_boolean("report_only", False, "Only regenerate the report from --results.")
+flags.DEFINE_float("report_target", 0.0, "With --report_only: read the trials at this lower "
+                   "target instead of the one they ran for (0: theirs).")
 flags.DEFINE_list("merge", [], "Result files to merge into --results (then report).")
 flags.DEFINE_boolean("report_every_group", True, "Regenerate the report after every group.")
 
@@ -114,6 +116,8 @@ def report_from(results: str, out: str) -> int:
     records = core.read_records(results)
     if not records:
         raise core.HarnessError(f"{results} holds no trials: run a sweep first.")
+    if FLAGS.report_target:
+        records = core.retarget(records, FLAGS.report_target)
     paths = large_batch_report.write_report(records, out)
     print(f"report from {len(records)} trials in {results}: wrote {', '.join(paths)}", flush=True)
     message = large_batch_report.unreached_message(records)

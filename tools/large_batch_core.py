@@ -104,6 +104,26 @@ def steps_to_target(curve, target: float):
     return None
 
 
+def retarget(records: list[dict], target: float) -> list[dict]:
+    """``records`` read at a lower target than the one they ran for (exact: a trial's curve
+    runs at least to its first evaluation at or above the target it ran for)."""
+    target = validate_target(target)
+    ran_for = {r["setup"]["target"] for r in records}
+    if any(target > t for t in ran_for):
+        raise HarnessError(
+            f"--report_target={target} is above the target the trials ran for ({min(ran_for)}): "
+            "they stopped at their first evaluation at or above it. A higher target needs a new "
+            "sweep (and a new --results file).")
+    out = []
+    for r in records:
+        steps = steps_to_target(r["curve"], target)
+        status = "reached" if steps is not None else r["status"]
+        out.append({**r, "steps_to_target": steps, "status": status,
+                    "setup": {**r["setup"], "target": target,
+                              "ran_for_target": r["setup"]["target"]}})
+    return out
+
+
 def diverged(curve, loss: float, *, classes: int, after_step: int) -> bool:
     """The divergence rule of the module docstring for the ``curve`` so far and the latest
     training ``loss``."""

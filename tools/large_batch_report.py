@@ -88,7 +88,10 @@ def markdown(records) -> str:
     lines = [BEGIN, "", "## Setup", "",
              f"- Data: {setup['dataset']}, {setup['n_train']:,} training / {setup['n_val']:,} "
              f"validation examples. Model: MLP {hidden} (ReLU). Target: validation accuracy "
-             f"≥ {setup['target']}.",
+             f"≥ {setup['target']}"
+             + (f" (read from trials that ran until {setup['ran_for_target']}; "
+                "the learning rates were searched for that target)." if "ran_for_target" in setup
+                else "."),
              f"- Budget per trial: min({setup['max_epochs']:g} epochs, "
              f"{setup['max_steps'] or '∞'} steps) = "
              + ", ".join(f"{budgets[b]} steps at {b}" for b in batches) + ".",
