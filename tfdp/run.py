@@ -225,6 +225,7 @@ class Launcher:
     def _failed(self, attempt, rank):
         """The AttemptEnd and stop phases for a worker that exited non-zero."""
         code, grace = attempt.codes[rank], self.grace_seconds
+        attempt.workers[rank].join_output(timeout=2)  # all it said, a remote "started" included
         if attempt.unreachable(rank):
             host = attempt.hosts[rank]
             ranks = attempt.ranks_on(host)
