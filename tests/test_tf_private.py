@@ -88,3 +88,119 @@ def test_dataset_flat_types_and_shapes_match_tf_data():
     types, shapes = _tf_private.dataset_flat_types_and_shapes(spec)
     assert types == [tf.float32, tf.variant, tf.variant]
     assert shapes[0].as_list() == [None, 3] and len(shapes) == 3
+
+
+# --- private attributes and class patches (issue 17 item 2) --------------------------------
+
+def test_a_missing_private_name_is_one_clear_error():
+    import pytest
+
+    class Holder:
+        pass
+
+    with pytest.raises(_tf_private.PrivateAPIError, match=r"Holder\._gone \(what it was for\)"):
+        _tf_private._get(Holder(), "_gone", "what it was for")
+    with pytest.raises(_tf_private.PrivateAPIError, match="Keras 3"):
+        _tf_private.require_attributes(Holder, ("_gone",), "a hook")
+    with pytest.raises(_tf_private.PrivateAPIError, match=r"Holder\.method"):
+        _tf_private._patch(Holder, "method", lambda original: original, "a patch")
+    # Guard: the class hooks tfdp overrides exist in the installed versions (checked at import).
+    _tf_private.require_attributes(_tf_private.CollectiveAllReduceExtended,
+                                   _tf_private.EXTENDED_HOOKS, "hooks")
+    _tf_private.require_attributes(_tf_private.TFOptimizer, _tf_private.OPTIMIZER_HOOKS, "hooks")
+
+
+def test_patch_wraps_once_and_keeps_the_original():
+    class Target:
+        def method(self):
+            return "original"
+
+    calls = []
+
+    def make(original):
+        calls.append(original)
+        return lambda self: "patched " + original(self)
+
+    first = _tf_private._patch(Target, "method", make, "test")
+    second = _tf_private._patch(Target, "method", make, "test")
+    assert Target().method() == "patched original"
+    assert first is second and len(calls) == 1  # a second install is a no-op
+
+
+def test_keras_optimizer_internals_against_installed_keras():
+    import numpy as np
+    import keras
+
+    variables = [keras.Variable(np.ones((2, 3), "float32"), name="kernel"),
+                 keras.Variable(np.ones(3, "float32"), name="bias")]
+    adam = keras.optimizers.AdamW(0.1, weight_decay=0.5, gradient_accumulation_steps=2,
+                                  use_ema=True)
+    adam.exclude_from_weight_decay(var_names=["bias"])
+    adam.build(variables)
+    counter = _tf_private.optimizer_step_counter(adam)
+    assert int(counter.numpy()) == 0
+    assert counter in _tf_private.optimizer_own_variables(adam)
+    accumulators = _tf_private.gradient_accumulators(adam)
+    assert [tuple(a.shape) for a in accumulators] == [(2, 3), (3,)]
+    averages = _tf_private.moving_averages(adam)
+    assert [tuple(a.shape) for a in averages] == [(2, 3), (3,)]
+    assert [_tf_private.uses_weight_decay(adam, v) for v in variables] == [True, False]
+    assert [_tf_private.variable_index(adam, v) for v in variables] == [0, 1]
+    assert _tf_private.variable_key(adam, variables[0]) != _tf_private.variable_key(adam, variables[1])
+    assert not _tf_private.has_own_weight_decay(adam)
+    assert _tf_private.has_own_weight_decay(tfdp.optimizers.LAMB(0.1))
+    adam.apply([np.ones((2, 3), "float32"), np.ones(3, "float32")], variables)
+    # One micro-batch of two: the raw counter moves, Keras's public count does not.
+    assert int(counter.numpy()) == 1 and int(adam.iterations.numpy()) == 0
+    np.testing.assert_allclose(accumulators[1].numpy(), np.ones(3))
+    before = np.array(variables[0].numpy())
+    _tf_private.apply_weight_decay(adam, [variables[0]])
+    assert np.all(variables[0].numpy() < before)  # decoupled decay moved the kernel
+    own = list(_tf_private.optimizer_own_variables(adam))
+    _tf_private.set_optimizer_own_variables(adam, own[:1])
+    assert _tf_private.optimizer_own_variables(adam) == own[:1]
+    assert _tf_private.optimizer_strategy(adam) is not None  # the default strategy
+
+
+def test_distribute_internals_against_installed_tensorflow():
+    import numpy as np
+    import tensorflow as tf
+
+    strategy = tfdp.DataParallelStrategy([f"/device:CPU:{i}" for i in range(2)])
+    assert _tf_private.extended_num_workers(strategy.extended) == 1
+    options = _tf_private.communication_options(strategy.extended)
+    assert options.implementation == tf.distribute.experimental.CommunicationImplementation.RING
+    with strategy.scope():
+        optimizer = tfdp.ShardedOptimizer(__import__("keras").optimizers.SGD(0.1))
+    assert _tf_private.optimizer_strategy(optimizer) is strategy
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant([ctx.replica_id_in_sync_group], tf.int32))
+    cast = _tf_private.map_distributed(lambda t: tf.cast(t, tf.float64), values)
+    assert type(cast) is type(values)
+    parts = strategy.experimental_local_results(cast)
+    assert [p.dtype for p in parts] == [tf.float64] * 2
+    assert [p.device for p in parts] == [p.device for p in strategy.experimental_local_results(values)]
+    np.testing.assert_array_equal(np.concatenate([p.numpy() for p in parts]), [0.0, 1.0])
+    # Each strategy's collective keys start at its own base: a second strategy's all-reduce
+    # after the first's does not clash (TensorFlow's default base would).
+    other = tfdp.DataParallelStrategy([f"/device:CPU:{i}" for i in range(2)])
+    for s in (strategy, other):
+        result = tf.function(lambda s=s: s.run(
+            lambda: tf.distribute.get_replica_context().all_reduce("sum", tf.constant(1.0))))()
+        assert [float(r) for r in s.experimental_local_results(result)] == [2.0, 2.0]
+
+
+def test_keras_class_patches_are_installed_and_wrap_keras():
+    import keras
+
+    tfdp.DataParallelStrategy([f"/device:CPU:{i}" for i in range(2)])
+    tfdp.ShardedOptimizer(keras.optimizers.SGD(0.1))
+    patched = [(_tf_private.TFOptimizer, "_clip_gradients"),
+               (_tf_private.TFOptimizer, "_all_reduce_sum_gradients"),
+               (_tf_private.LossScaleOptimizer, "check_finite"),
+               (_tf_private.LossScaleOptimizer, "save_own_variables"),
+               (_tf_private.LossScaleOptimizer, "load_own_variables")]
+    for cls, name in patched:
+        method = getattr(cls, name)
+        assert getattr(method, "_tfdp_patch", False), name
+        assert method.__wrapped__.__module__.startswith("keras."), name

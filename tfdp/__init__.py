@@ -1,6 +1,6 @@
 """tfdp: data-parallel training for TensorFlow 2 and Keras 3.
 
-Public names only; see README.md for the tour and DESIGN.md for the contract.
+Public names only; see README.md for the tour and the guides in docs/.
 
 The TensorFlow side loads lazily (PEP 562) so that the launcher (``tfdp-run``,
 ``python -m tfdp.run``) and ``tfdp.cluster`` stay pure Python: importing them does not import

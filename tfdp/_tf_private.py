@@ -128,6 +128,316 @@ def in_xla_context(graph) -> bool:
     return bool(_graph_or_parents_in_xla_context(graph))
 
 
+# --- How a moved private name fails --------------------------------------------------------
+# Every private attribute and class patch below goes through _get / require_attributes /
+# _patch, so a TensorFlow or Keras upgrade that renames one fails with PrivateAPIError naming
+# the attribute and what tfdp used it for, at the first use (import time for class hooks).
+
+class PrivateAPIError(AttributeError):
+    """A TensorFlow/Keras private name tfdp relies on is missing in the installed version."""
+
+
+def _versions() -> str:
+    import keras
+    import tensorflow as tf
+
+    return f"TensorFlow {tf.__version__} / Keras {keras.__version__}"
+
+
+def _missing(owner, name, used_for) -> PrivateAPIError:
+    where = owner if isinstance(owner, str) else getattr(owner, "__qualname__", repr(owner))
+    return PrivateAPIError(
+        f"tfdp relies on the private {where}.{name} ({used_for}), which the installed "
+        f"{_versions()} does not have: this version moved or renamed it. Install the "
+        "TensorFlow and Keras versions tfdp supports (setup.cfg's install_requires), or a "
+        "tfdp release made for yours; tfdp/_tf_private.py is the one place to adapt.")
+
+
+def _get(obj, name, used_for):
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise _missing(type(obj).__qualname__, name, used_for) from None
+
+
+def require_attributes(owner, names, used_for) -> None:
+    """Raises PrivateAPIError naming the first of ``names`` the class ``owner`` lacks."""
+    for name in names:
+        if not hasattr(owner, name):
+            raise _missing(owner, name, used_for)
+
+
+def _patch(cls, name, make, used_for):
+    """Replaces ``cls.name`` by ``make(original)`` once; returns the original."""
+    current = getattr(cls, name, None)
+    if current is None:
+        raise _missing(cls, name, used_for)
+    if getattr(current, "_tfdp_patch", False):
+        return current.__wrapped__
+    replacement = make(current)
+    replacement._tfdp_patch = True
+    replacement.__wrapped__ = current
+    setattr(cls, name, replacement)
+    return current
+
+
+# --- tf.distribute internals (strategy.py, collectives.py) ---------------------------------
+
+# Why: tfdp's extended object (strategy.py, _DataParallelExtended) overrides these hooks of
+# CollectiveAllReduceExtended: which local devices are replicas, merge-call-free collectives,
+# variable creation (ONLY_FIRST_REPLICA counters), and the two reduction entry points (to cast
+# dtypes TensorFlow's collectives cannot sum). tf.distribute has no public extension points.
+EXTENDED_HOOKS = ("_initialize_local_devices", "_use_merge_call", "_create_variable",
+                  "_reduce_to", "_replica_ctx_all_reduce")
+require_attributes(CollectiveAllReduceExtended, EXTENDED_HOOKS,
+                   "hooks tfdp's DataParallelStrategy overrides")
+
+
+def set_collective_key_base(strategy, base: int) -> None:
+    """Where this strategy's collective group/instance keys start.
+
+    Why: CollectiveAllReduceExtended reads the container strategy's ``_collective_key_base``
+    when it builds its key allocator; TensorFlow's own strategies all start at 0, so two in
+    one process clash. No public argument sets it.
+    """
+    strategy._collective_key_base = base  # noqa: SLF001
+
+
+def extended_num_workers(extended) -> int:
+    """Workers of a collective strategy's extended object. Why: no public attribute;
+    ``num_replicas_in_sync`` counts local devices too."""
+    return _get(extended, "_num_workers", "counting workers")
+
+
+def communication_options(extended):
+    """The ``CommunicationOptions`` a collective strategy was built with.
+
+    Why: no public getter; tfdp's own collectives (buckets, all-to-all) reuse its timeout and
+    implementation. The object is shared with the strategy's collective launchers, so setting
+    its ``implementation`` before the first collective switches all of them (the shared-GPU
+    fallback to ring does so).
+    """
+    return _get(extended, "_communication_options", "collective timeout and implementation")
+
+
+def map_distributed(fn, value):
+    """``fn`` applied to each component of a PerReplica/Mirrored value, on its device; a
+    plain tensor gets ``fn`` directly.
+
+    Why: casting every replica's component (dtypes collectives cannot reduce) needs a new
+    value of the same kind; the public API builds PerReplica values only from datasets or
+    from ``strategy.run``, which cannot be called inside a reduction.
+    """
+    import tensorflow as tf
+
+    if not isinstance(value, DistributedValues):
+        return fn(value)
+    parts = []
+    for component in value.values:
+        with tf.device(component.device):
+            parts.append(fn(component))
+    return type(value)(tuple(parts))
+
+
+# --- Keras optimizer internals (sharding.py, collectives.py) -------------------------------
+
+# Why: ShardedOptimizer (a keras.optimizers.Optimizer subclass) replaces these steps of Keras's
+# apply(): the per-call body (reduce-scatter, owned update, all-gather), the clipping and the
+# weight decay (both act on the reduced, owned gradients instead), and looks variables up with
+# Keras's own index. Keras documents none of them as overridable.
+OPTIMIZER_HOOKS = ("_backend_apply_gradients", "_clip_gradients", "_apply_weight_decay",
+                   "_use_weight_decay", "_get_variable_index", "_var_key")
+require_attributes(TFOptimizer, OPTIMIZER_HOOKS, "hooks ShardedOptimizer overrides or calls")
+
+
+def optimizer_strategy(optimizer):
+    """The tf.distribute strategy a Keras optimizer was created under.
+
+    Why: Keras's TensorFlow optimizer captures it at construction and has no public getter;
+    ``tf.distribute.get_strategy()`` at call time may be another (or none).
+    """
+    return getattr(optimizer, "_distribution_strategy", None)
+
+
+def optimizer_step_counter(optimizer):
+    """The optimizer's call counter (micro-batches with gradient accumulation).
+
+    Why: the public ``iterations`` is ``floor(counter / k)`` with ``gradient_accumulation_steps
+    = k``; ShardedOptimizer advances and reads the raw counter as Keras's apply does.
+    """
+    return _get(optimizer, "_iterations", "the micro-batch counter")
+
+
+def optimizer_own_variables(optimizer) -> list:
+    """The list of variables a Keras optimizer saves by position (``save_own_variables``).
+
+    Why: ``variables`` is a read-only copy; ShardedOptimizer removes the wrapped optimizer's
+    sharded slots from what it saves by position (it saves them consolidated itself).
+    """
+    return _get(optimizer, "_variables", "the variables an optimizer saves")
+
+
+def set_optimizer_own_variables(optimizer, variables) -> None:
+    _get(optimizer, "_variables", "the variables an optimizer saves")
+    optimizer._variables = list(variables)  # noqa: SLF001
+
+
+def gradient_accumulators(optimizer) -> list:
+    """The accumulators of ``gradient_accumulation_steps``, one per model variable, in the
+    model variables' order. Why: no public getter."""
+    return _get(optimizer, "_accumulated_gradients", "gradient accumulators")
+
+
+def moving_averages(optimizer) -> list:
+    """The EMA copies of ``use_ema=True``, one per model variable (None where not averaged).
+    Why: no public getter."""
+    return _get(optimizer, "_model_variables_moving_average", "EMA copies")
+
+
+def has_own_weight_decay(optimizer) -> bool:
+    """True when the optimizer's class replaces Keras's decoupled weight decay (LARS/LAMB
+    apply theirs inside the update). Why: only the overridden method tells."""
+    return type(optimizer)._apply_weight_decay is not TFOptimizer._apply_weight_decay  # noqa: SLF001
+
+
+def apply_weight_decay(optimizer, variables) -> None:
+    """The optimizer's own weight-decay step on ``variables`` (Keras calls it before updates)."""
+    optimizer._apply_weight_decay(variables)  # noqa: SLF001
+
+
+def uses_weight_decay(optimizer, variable) -> bool:
+    """Keras's exclusion rule (``exclude_from_weight_decay``) for one variable."""
+    return bool(optimizer._use_weight_decay(variable))  # noqa: SLF001
+
+
+def variable_index(optimizer, variable) -> int:
+    """Index of a model variable among those the optimizer was built with (Keras's key)."""
+    return optimizer._get_variable_index(variable)  # noqa: SLF001
+
+
+def variable_key(optimizer, variable):
+    """Keras's identity for a model variable inside an optimizer (stable across replicas)."""
+    return optimizer._var_key(variable)  # noqa: SLF001
+
+
+def patch_keras_gradient_reduction(make_clip_gradients, make_all_reduce_sum_gradients) -> None:
+    """Class patch of Keras's TensorFlow optimizer: ``make_*(original) -> replacement``.
+
+    Why: Keras 3 reduces gradients in ``_all_reduce_sum_gradients`` only after clipping them in
+    ``_clip_gradients``, so clipnorm/global_clipnorm act on local gradients. No public hook
+    lets a strategy reduce first; tfdp reduces in the clip step and makes the later
+    all-reduce a pass-through (collectives.install_keras_gradient_hooks).
+    """
+    _patch(TFOptimizer, "_clip_gradients", make_clip_gradients, "reducing before clipping")
+    _patch(TFOptimizer, "_all_reduce_sum_gradients", make_all_reduce_sum_gradients,
+           "skipping Keras's own all-reduce")
+
+
+def patch_loss_scale_check_finite(make) -> None:
+    """Class patch of LossScaleOptimizer.check_finite. Why: it decides from this replica's
+    gradients only; tfdp makes every replica agree (collectives.py). No public hook."""
+    _patch(LossScaleOptimizer, "check_finite", make, "agreeing on overflow across replicas")
+
+
+def patch_loss_scale_saving(make_save, make_load) -> None:
+    """Class patch of LossScaleOptimizer.save_own_variables/load_own_variables.
+
+    Why: it saves every variable of the wrapped optimizer by position too; around a
+    ShardedOptimizer that list depends on the topology (sharding.py). Keras's class has no
+    hook to save only its own variables.
+    """
+    _patch(LossScaleOptimizer, "save_own_variables", make_save, "saving around ShardedOptimizer")
+    _patch(LossScaleOptimizer, "load_own_variables", make_load, "loading around ShardedOptimizer")
+
+
+# --- Keras trainer internals (xla.py) --------------------------------------------------------
+
+def _keras_trainer_classes():
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    from keras.src.trainers.trainer import Trainer
+
+    return Trainer, TensorFlowTrainer
+
+
+def patch_keras_auto_jit_compile(make) -> None:
+    """Class patch of ``Trainer._resolve_auto_jit_compile`` (what ``jit_compile="auto"`` means).
+
+    Why: Keras resolves "auto" to False under any tf.distribute strategy; tfdp resolves it as
+    Keras would on one device (xla.resolve_auto_jit_compile). ``compile`` has no hook for it.
+    """
+    trainer, _ = _keras_trainer_classes()
+    _patch(trainer, "_resolve_auto_jit_compile", make, "jit_compile='auto' under tfdp")
+
+
+def patch_keras_step_functions(make_train, make_test) -> None:
+    """Class patch of ``make_train_function`` / ``make_test_function`` (Keras's TF trainer).
+
+    Why: with ``jit_compile=True`` Keras compiles the whole distributed step, collectives
+    included, which XLA cannot do across CPU replicas nor for several GPUs in one process.
+    tfdp builds the step itself (xla.py): per-replica compiled forward/backward, reduction and
+    update outside. Keras has no public hook for the step function it builds.
+    """
+    _, tf_trainer = _keras_trainer_classes()
+    _patch(tf_trainer, "make_train_function", make_train, "tfdp's XLA train step")
+    _patch(tf_trainer, "make_test_function", make_test, "tfdp's XLA test step")
+
+
+def keras_make_step_function(model, step_function):
+    """Keras's own wrapping of a per-replica step (strategy.run, output reduction, the
+    steps_per_execution loop, tf.function). Why: only ``_make_function`` builds it."""
+    return _get(model, "_make_function", "building a step function")(step_function)
+
+
+def keras_model_supports_jit(model) -> bool:
+    """Keras's own test (every layer XLA-capable, op determinism off, not a Mac GPU).
+    Why: a private function of keras.src.trainers.trainer, used by "auto"."""
+    from keras.src.trainers.trainer import model_supports_jit
+
+    return bool(model_supports_jit(model))
+
+
+def keras_compute_loss(model, x, y, y_pred, sample_weight, training=True):
+    """The loss exactly as Keras's train_step computes it (``compute_loss`` overrides with or
+    without a ``training`` argument, regularisation losses). Why: only ``_compute_loss``
+    handles both override signatures."""
+    return _get(model, "_compute_loss", "the train step's loss")(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
+
+
+def keras_call_has_training_arg(model) -> bool:
+    """Whether the model's ``call`` takes ``training`` (Keras's train_step passes it only
+    then). Why: Keras records it in a private attribute; re-inspecting the signature could
+    disagree with Keras for wrapped calls."""
+    return bool(_get(model, "_call_has_training_arg", "calling the model as Keras does"))
+
+
+def keras_loss_tracker(model):
+    """The ``Mean`` metric behind the ``loss`` log. Why: no public getter."""
+    return _get(model, "_loss_tracker", "the loss metric")
+
+
+def unscale_loss_for_distribution(value):
+    """Keras's undo of its 1/num_replicas loss scaling, for the loss metric. Why: a function
+    of the private keras.src.losses.loss module."""
+    from keras.src.losses.loss import unscale_loss_for_distribution as unscale
+
+    return unscale(value)
+
+
+# Why: the shared-GPU check of a multi-worker job (devices.py) needs every worker's host and
+# GPUs before the first collective. The coordination service every worker already talks to
+# has a key-value store (TensorFlow's preemption handling uses it); tf.distribute exposes no
+# public exchange outside collectives, which would themselves fail on a shared GPU.
+def publish_to_coordination_service(key: str, value: str) -> None:
+    _eager_context.context().set_config_key_value(key, value)
+
+
+def read_from_coordination_service(key: str, timeout_seconds: float) -> str:
+    """Blocks until ``key`` is set (at most ``timeout_seconds``; then a tf.errors.OpError)."""
+    return _eager_context.context().get_config_key_value(
+        key, max(1, int(timeout_seconds * 1000)))
+
+
 # Why: the orderly exit of a multi-worker job (strategy.py, "Orderly exit") waits at a
 # barrier of TensorFlow's coordination service, the service MultiWorkerMirroredStrategy's
 # engine starts on the chief for heartbeats and errors. TensorFlow exposes it only on the

@@ -68,7 +68,7 @@ def plan_buckets(num_bytes: Sequence[int], dtypes: Sequence, bucket_bytes: int) 
 
 
 def _options(strategy, **overrides):
-    base = strategy.extended._communication_options  # the strategy's own defaults
+    base = _tf_private.communication_options(strategy.extended)  # the strategy's defaults
     return tf.distribute.experimental.CommunicationOptions(
         bytes_per_pack=overrides.get("bytes_per_pack", base.bytes_per_pack),
         timeout_seconds=base.timeout_seconds,
@@ -210,7 +210,7 @@ _installed = False
 
 
 def _tfdp_strategy_in_replica_context(optimizer):
-    strategy = getattr(optimizer, "_distribution_strategy", None)
+    strategy = _tf_private.optimizer_strategy(optimizer)
     if not getattr(strategy, "_is_tfdp_strategy", False):
         return None
     ctx = tf.distribute.get_replica_context()
@@ -234,32 +234,33 @@ def install_keras_gradient_hooks():
     with _install_lock:
         if _installed:
             return
-        opt_cls = _tf_private.TFOptimizer
-        original_clip = opt_cls._clip_gradients
-        original_all_reduce = opt_cls._all_reduce_sum_gradients
-        lso_cls = _tf_private.LossScaleOptimizer
-        original_check_finite = lso_cls.check_finite
 
-        def _clip_gradients(self, grads):
-            strategy = _tfdp_strategy_in_replica_context(self)
-            if strategy is not None and not getattr(self, "_tfdp_reduces_itself", False):
-                grads = all_reduce_gradients(grads, strategy)
-            return original_clip(self, grads)
+        def make_clip_gradients(original_clip):
+            def _clip_gradients(self, grads):
+                strategy = _tfdp_strategy_in_replica_context(self)
+                if strategy is not None and not getattr(self, "_tfdp_reduces_itself", False):
+                    grads = all_reduce_gradients(grads, strategy)
+                return original_clip(self, grads)
+            return _clip_gradients
 
-        def _all_reduce_sum_gradients(self, grads_and_vars):
-            if _tfdp_strategy_in_replica_context(self) is not None:
-                return list(grads_and_vars)  # reduced in _clip_gradients already
-            return original_all_reduce(self, grads_and_vars)
+        def make_all_reduce_sum_gradients(original_all_reduce):
+            def _all_reduce_sum_gradients(self, grads_and_vars):
+                if _tfdp_strategy_in_replica_context(self) is not None:
+                    return list(grads_and_vars)  # reduced in _clip_gradients already
+                return original_all_reduce(self, grads_and_vars)
+            return _all_reduce_sum_gradients
 
-        def check_finite(self, grads):
-            finite = original_check_finite(self, grads)
-            strategy = _tfdp_strategy_in_replica_context(self)
-            if strategy is None:
-                return finite
-            bad = all_reduce(tf.cast(tf.logical_not(finite), tf.float32))
-            return tf.equal(bad, 0.0)
+        def make_check_finite(original_check_finite):
+            def check_finite(self, grads):
+                finite = original_check_finite(self, grads)
+                strategy = _tfdp_strategy_in_replica_context(self)
+                if strategy is None:
+                    return finite
+                bad = all_reduce(tf.cast(tf.logical_not(finite), tf.float32))
+                return tf.equal(bad, 0.0)
+            return check_finite
 
-        opt_cls._clip_gradients = _clip_gradients
-        opt_cls._all_reduce_sum_gradients = _all_reduce_sum_gradients
-        lso_cls.check_finite = check_finite
+        _tf_private.patch_keras_gradient_reduction(make_clip_gradients,
+                                                   make_all_reduce_sum_gradients)
+        _tf_private.patch_loss_scale_check_finite(make_check_finite)
         _installed = True

@@ -78,6 +78,7 @@ import tensorflow as tf
 import keras
 
 from tfdp import _tf_private, collectives
+from tfdp.optimizers._layerwise import dense
 
 __all__ = ["ShardedOptimizer", "partition", "optimizer_state_bytes_per_replica",
            "variable_bytes_per_device", "ACCUMULATION_MODES"]
@@ -212,7 +213,7 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
     # --- partition and state ---------------------------------------------------------------
     def _topology(self):
         """(tfdp strategy or None, replicas in sync, worker rank, local device names)."""
-        strategy = self._distribution_strategy
+        strategy = _tf_private.optimizer_strategy(self)
         if getattr(strategy, "_is_tfdp_strategy", False):
             return (strategy, strategy.num_replicas_in_sync, strategy.cluster.rank,
                     list(strategy.extended.worker_devices))
@@ -229,7 +230,8 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         super().build(var_list)
         strategy, num_replicas, rank, local_devices = self._topology()
         inner = self.inner_optimizer
-        if num_replicas > 1 and not isinstance(getattr(inner._iterations, "value", None),
+        counter = _tf_private.optimizer_step_counter(inner)
+        if num_replicas > 1 and not isinstance(getattr(counter, "value", None),
                                                _tf_private.DistributedValues):
             raise ValueError(
                 f"The wrapped optimizer {inner.name} was created outside the strategy's scope; "
@@ -238,12 +240,13 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         first_local = rank * len(local_devices)
         sizes = [_num_elements(v) for v in var_list]
         self._owners = partition(sizes, num_replicas)
-        keys = {self._var_key(v): i for i, v in enumerate(var_list)}
+        keys = {_tf_private.variable_key(self, v): i for i, v in enumerate(var_list)}
         slot_owner = {}  # id(tf.Variable) -> model variable index
 
         def place_slot(next_creator, **kwargs):
             reference = building_slot_for[-1] if building_slot_for else None
-            index = keys.get(self._var_key(reference)) if reference is not None else None
+            index = (keys.get(_tf_private.variable_key(self, reference))
+                     if reference is not None else None)
             if index is None:
                 return next_creator(**kwargs)
             local = self._owners[index] - first_local
@@ -285,7 +288,7 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         finally:
             del inner.add_variable_from_reference
         slots, kept = [], []
-        for v in inner._variables:  # noqa: SLF001
+        for v in _tf_private.optimizer_own_variables(inner):
             index = slot_owner.get(id(v.value))
             if index is None:
                 kept.append(v)
@@ -293,7 +296,7 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
                 slots.append((v, index))
         # The slots are per-device partitions; they are saved consolidated by this
         # wrapper (save_own_variables), not as the wrapped optimizer's own variables.
-        inner._variables = kept  # noqa: SLF001
+        _tf_private.set_optimizer_own_variables(inner, kept)
         self._book = _Bookkeeping(slots, list(var_list))
 
     @property
@@ -301,7 +304,8 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         """Every state variable this process holds: the counters of both optimizers, local
         accumulators if any, and the sharded slots, accumulators and EMA copies, each on its
         owner's device (state owned by another worker's replica is not held here)."""
-        held = list(self._variables) + list(self.inner_optimizer.variables)
+        held = (list(_tf_private.optimizer_own_variables(self))
+                + list(self.inner_optimizer.variables))
         book = getattr(self, "_book", None)
         if book is not None:
             held += [v for v, _ in book.slots if not _is_stand_in(v)]
@@ -309,12 +313,13 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
 
     def owner_of(self, variable) -> int:
         """The replica that keeps ``variable``'s optimizer state."""
-        return self._owners[self._get_variable_index(variable)]
+        return self._owners[_tf_private.variable_index(self, variable)]
 
     def _owned_indices(self, replica_id):
         return [i for i, owner in enumerate(self._owners) if owner == replica_id]
 
     # --- the step ----------------------------------------------------------------------------
+    # Keras's private optimizer hooks overridden here: see _tf_private.OPTIMIZER_HOOKS.
     def _clip_gradients(self, grads):
         return grads  # clipping happens on the reduced, owned gradients (see module doc)
 
@@ -325,7 +330,7 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         """One call of ``apply`` (one micro-batch): reduce, accumulate or update, EMA."""
         inner = self.inner_optimizer
         variables = list(trainable_variables)
-        indices = [self._get_variable_index(v) for v in variables]
+        indices = [_tf_private.variable_index(self, v) for v in variables]
         by_index = dict(zip(indices, variables))
         grad_of = dict(zip(indices, grads))
         if self._num_replicas > 1:
@@ -343,12 +348,12 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
             self._update_moving_averages(me)
         # The wrapped optimizer's counter counts calls (micro-batches), as Keras's does;
         # its ``iterations`` divides by k.
-        inner._iterations.assign_add(1)  # noqa: SLF001
+        _tf_private.optimizer_step_counter(inner).assign_add(1)
 
     def _replica_id(self):
         if self._num_replicas == 1:
             return 0
-        return collectives.global_replica_id(self._distribution_strategy)
+        return collectives.global_replica_id(_tf_private.optimizer_strategy(self))
 
     def _reduce_update_gather(self, grad_of, indices, by_index, me):
         """Steps 1-4 on these (local) gradients."""
@@ -362,10 +367,11 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
     def _accumulate_or_update(self, grad_of, indices, by_index, me, steps):
         """Keras's gradient accumulation, with the accumulators sharded or local."""
         inner = self.inner_optimizer
-        accumulators = inner._accumulated_gradients  # noqa: SLF001
+        accumulators = _tf_private.gradient_accumulators(inner)
         # Keras's accumulators are dense (variable + IndexedSlices densifies); so are ours.
-        grad_of = {i: _dense(g) for i, g in grad_of.items()}
-        is_update = tf.equal(tf.math.floormod(inner._iterations + 1, steps), 0)  # noqa: SLF001
+        grad_of = {i: dense(g) for i, g in grad_of.items()}
+        counter = _tf_private.optimizer_step_counter(inner)
+        is_update = tf.equal(tf.math.floormod(counter + 1, steps), 0)
 
         def mean_with(grads):
             return {i: (g + accumulators[i].value) / steps for i, g in grads.items()}
@@ -399,7 +405,7 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
     def _update_moving_averages(self, me):
         """Keras's EMA update, by each owner for its variables; then the periodic overwrite."""
         inner = self.inner_optimizer
-        averages = inner._model_variables_moving_average  # noqa: SLF001
+        averages = _tf_private.moving_averages(inner)
         model_variables = self._book.model_variables
         not_first_step = tf.not_equal(inner.iterations, 0)
         for i in self._owned_indices(me):
@@ -414,7 +420,7 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
             tf.cond(overwrite, lambda: self._copy_averages_to_variables(me), lambda: None)
 
     def _copy_averages_to_variables(self, me, indices=None):
-        averages = self.inner_optimizer._model_variables_moving_average  # noqa: SLF001
+        averages = _tf_private.moving_averages(self.inner_optimizer)
         variables = self._book.model_variables
         if indices is None:
             indices = list(range(len(variables)))
@@ -433,11 +439,11 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         ``fit`` calls this at the end of training)."""
         if not self.inner_optimizer.use_ema or getattr(self, "_book", None) is None:
             return
-        indices = [self._get_variable_index(v) for v in var_list]
+        indices = [_tf_private.variable_index(self, v) for v in var_list]
         if self._num_replicas == 1:
             self._copy_averages_to_variables(0, indices)
             return
-        strategy = self._distribution_strategy
+        strategy = _tf_private.optimizer_strategy(self)
 
         @tf.function
         def overwrite():
@@ -454,7 +460,7 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
 
     def _reduce_to_owners(self, grad_of, by_index, me):
         """Step 1: this replica's owned gradients, summed over all replicas."""
-        strategy = self._distribution_strategy
+        strategy = _tf_private.optimizer_strategy(self)
         sparse = [i for i, g in grad_of.items() if isinstance(g, tf.IndexedSlices)]
         owned = {}
         if sparse:
@@ -494,12 +500,12 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         variables = [by_index[i] for i in indices]
         grads = self._clip_owned([owned_grads[i] for i in indices], distributed)
         lr = inner.learning_rate
-        if type(inner)._apply_weight_decay is not _tf_private.TFOptimizer._apply_weight_decay:
-            inner._apply_weight_decay(variables)  # noqa: SLF001  its own rule (LARS/LAMB: none here)
+        if _tf_private.has_own_weight_decay(inner):
+            _tf_private.apply_weight_decay(inner, variables)  # its own rule (LARS/LAMB: none here)
         elif inner.weight_decay is not None:
             # Keras's decoupled decay (AdamW...), on the owned variables only.
             for v in variables:
-                if inner._use_weight_decay(v):  # noqa: SLF001
+                if _tf_private.uses_weight_decay(inner, v):
                     wd = tf.cast(inner.weight_decay, v.dtype)
                     v.assign(v - v * wd * tf.cast(lr, v.dtype))
         for g, v in zip(grads, variables):
@@ -546,17 +552,17 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         local accumulators and the small counters on every device)."""
         if not self.built:
             raise ValueError("The optimizer is not built yet; train a step or call build().")
-        return optimizer_state_bytes_per_replica(self, self._distribution_strategy)
+        return optimizer_state_bytes_per_replica(self, _tf_private.optimizer_strategy(self))
 
     # --- consolidated checkpoints ----------------------------------------------------------------
     def _consolidated_slots(self) -> list[np.ndarray]:
         """Each slot as one full array, gathered from its owner (topology-free)."""
-        if self._num_replicas == 1 or self._distribution_strategy.cluster.num_workers == 1:
+        if self._num_replicas == 1 or _tf_private.optimizer_strategy(self).cluster.num_workers == 1:
             return [np.asarray(v.value.numpy()) for v, _ in self._book.slots]
         return self._gather_slots_across_workers()
 
     def _gather_slots_across_workers(self):
-        strategy = self._distribution_strategy
+        strategy = _tf_private.optimizer_strategy(self)
         slots_of = {r: [(k, v, i) for k, (v, i) in enumerate(self._book.slots) if self._owners[i] == r]
                     for r in range(self._num_replicas)}
         shapes = [tuple(self._book.model_variables[i].shape) for _, i in self._book.slots]
@@ -585,7 +591,7 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
     def save_own_variables(self, store):
         # Own counters by position (Keras's layout), then every sharded slot, accumulator
         # and EMA copy consolidated; the wrapped optimizer saves its own counters itself.
-        for i, variable in enumerate(self._variables):
+        for i, variable in enumerate(_tf_private.optimizer_own_variables(self)):
             store[str(i)] = variable.numpy()
         for k, value in enumerate(self._consolidated_slots() if self.built else []):
             store[f"slot_{k}"] = value
@@ -594,13 +600,14 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         own = [k for k in store.keys() if not str(k).startswith("slot_")]
         slots = [k for k in store.keys() if str(k).startswith("slot_")]
         expected = len(self._book.slots) if self.built else 0
-        if len(own) != len(self._variables) or len(slots) != expected:
+        counters = _tf_private.optimizer_own_variables(self)
+        if len(own) != len(counters) or len(slots) != expected:
             raise ValueError(
                 f"Cannot load optimizer state into {self.name}: the file has {len(own)} "
-                f"variables and {len(slots)} slots, this optimizer {len(self._variables)} and "
+                f"variables and {len(slots)} slots, this optimizer {len(counters)} and "
                 f"{expected}. Build it on the same model, with the same wrapped optimizer "
                 "settings (gradient_accumulation_steps, use_ema), first.")
-        for i, variable in enumerate(self._variables):
+        for i, variable in enumerate(counters):
             variable.assign(store[str(i)])
         for k, (slot, index) in enumerate(self._book.slots):
             if _is_stand_in(slot):
@@ -620,14 +627,6 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         inner = keras.optimizers.deserialize(config.pop("optimizer"), custom_objects=custom_objects)
         allowed = {"name", "accumulation"}
         return cls(inner, **{k: v for k, v in config.items() if k in allowed})
-
-
-def _dense(gradient):
-    """Sparse gradients (``IndexedSlices``) as dense tensors; TensorFlow's conversion sums
-    duplicate indices, as adding them to a dense accumulator does."""
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.convert_to_tensor(gradient)
-    return gradient
 
 
 def variable_bytes_per_device(variables, strategy=None) -> list[int]:
@@ -682,25 +681,27 @@ def _install_loss_scale_saving_hooks():
     with _hooks_lock:
         if _hooks_installed:
             return
-        cls = keras.optimizers.LossScaleOptimizer
-        original_save, original_load = cls.save_own_variables, cls.load_own_variables
 
-        def save_own_variables(self, store):
-            if not isinstance(self.inner_optimizer, ShardedOptimizer):
-                return original_save(self, store)
-            for i, variable in enumerate(self._variables):
-                store[str(i)] = variable.numpy()
+        def make_save(original_save):
+            def save_own_variables(self, store):
+                if not isinstance(self.inner_optimizer, ShardedOptimizer):
+                    return original_save(self, store)
+                for i, variable in enumerate(_tf_private.optimizer_own_variables(self)):
+                    store[str(i)] = variable.numpy()
+            return save_own_variables
 
-        def load_own_variables(self, store):
-            if not isinstance(self.inner_optimizer, ShardedOptimizer):
-                return original_load(self, store)
-            if len(store.keys()) < len(self._variables):
-                raise ValueError(
-                    f"Cannot load {self.name}: the file has {len(store.keys())} variables, it "
-                    f"needs its {len(self._variables)} own. Build it on the same model first.")
-            for i, variable in enumerate(self._variables):
-                variable.assign(store[str(i)])
+        def make_load(original_load):
+            def load_own_variables(self, store):
+                if not isinstance(self.inner_optimizer, ShardedOptimizer):
+                    return original_load(self, store)
+                own = _tf_private.optimizer_own_variables(self)
+                if len(store.keys()) < len(own):
+                    raise ValueError(
+                        f"Cannot load {self.name}: the file has {len(store.keys())} variables, "
+                        f"it needs its {len(own)} own. Build it on the same model first.")
+                for i, variable in enumerate(own):
+                    variable.assign(store[str(i)])
+            return load_own_variables
 
-        cls.save_own_variables = save_own_variables
-        cls.load_own_variables = load_own_variables
+        _tf_private.patch_loss_scale_saving(make_save, make_load)
         _hooks_installed = True

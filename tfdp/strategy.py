@@ -322,7 +322,11 @@ _orderly_exit = _OrderlyExit()
 
 
 class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
-    """The collective engine with tfdp's choice of local devices."""
+    """The collective engine with tfdp's choice of local devices.
+
+    The private hooks it overrides are listed, and checked at import, in
+    ``_tf_private.EXTENDED_HOOKS``.
+    """
 
     def __init__(self, container, cluster_resolver, options, local_device_type,
                  local_device_indices):
@@ -358,7 +362,7 @@ class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
     def _tfdp_all_to_all(self, value, local_index):
         """All-to-all over every replica, with keys from this strategy's own launcher."""
         launcher = _tf_private.collective_launchers(self)[local_index]
-        return _tf_private.all_to_all(launcher, value, self._communication_options)
+        return _tf_private.all_to_all(launcher, value, _tf_private.communication_options(self))
 
     @property
     def _tfdp_all_to_all_is_ordered(self):
@@ -366,7 +370,7 @@ class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
         # group ranks no longer follow replica order (all-gather's still do), so
         # reduce-scatter falls back to all-reduce + slice there.
         indices = [tf.DeviceSpec.from_string(d).device_index for d in self.worker_devices]
-        return max(indices) < 10 and self._num_workers <= 10
+        return max(indices) < 10 and _tf_private.extended_num_workers(self) <= 10
 
 
 class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
@@ -423,7 +427,7 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         self._tfdp_bucket_bytes = bucket_bytes
         self._tfdp_compression = compression
         self._tfdp_timeout = timeout_seconds
-        self._collective_key_base = next(_key_bases) * _KEY_RANGE
+        _tf_private.set_collective_key_base(self, next(_key_bases) * _KEY_RANGE)
 
         implementation = (tf.distribute.experimental.CommunicationImplementation.NCCL
                           if self._tfdp_communication == "nccl"
@@ -482,10 +486,6 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     @property
     def local_devices(self) -> list:
         return list(self._tfdp_devices)
-
-    @property
-    def num_local_replicas(self) -> int:
-        return len(self._tfdp_devices)
 
     def run(self, fn, args=(), kwargs=None, options=None):
         """``tf.distribute.Strategy.run``, refusing XLA compilation it cannot survive.
