@@ -16,7 +16,7 @@ wildcard (lookup order: "s@a", "s@*", "*@a", "*@*"; default "ok"):
     block               join, barrier, progress, wait for a signal
     ignore-term         like block, but SIGTERM is only recorded, not obeyed
     evict:R             join, barrier, progress; the chief writes evict.json naming rank R;
-                        every worker exits 75
+                        every worker exits 75 (or TFDP_EVICT_EXIT_CODE)
     sleep-exit:S:N      join, sleep S seconds (the behaviour under test), exit N
     chatty:L:N          join, barrier, progress, print "line 0" .. "line L-1", exit N
 
@@ -34,8 +34,9 @@ import sys
 import time
 
 from tfdp.protocol import (ATTEMPT_ENV, CONTROL_DIR_ENV, EVICT_FILE, EXIT_PREEMPTED,
-                           EXIT_RESTART_REQUESTED, GRACE_ENV, MIN_WORKERS_ENV, RANK_ENV,
-                           READY_FILE_ENV, RESTARTS_LEFT_ENV, SLOT_ENV, progress_file)
+                           GRACE_ENV, MIN_WORKERS_ENV, RANK_ENV,
+                           READY_FILE_ENV, RESTARTS_LEFT_ENV, SLOT_ENV, progress_file,
+                           restart_requested_exit_code)
 
 OUT = os.environ["FAKE_OUT"]
 SLOT = int(os.environ[SLOT_ENV])
@@ -161,7 +162,7 @@ def main():
         if RANK == 0:
             write_atomically(os.path.join(CONTROL_DIR, EVICT_FILE),
                              json.dumps({"rank": int(arg), "reason": "fake straggler"}))
-        sys.exit(EXIT_RESTART_REQUESTED)
+        sys.exit(restart_requested_exit_code())
     raise SystemExit(f"fake_worker: unknown action {what!r}")
 
 

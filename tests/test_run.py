@@ -318,6 +318,20 @@ def test_eviction_drops_the_named_rank(tmp_path):
     assert not list(tmp_path.glob("SIGTERM-*"))  # they exited together; nobody was signalled
 
 
+def test_eviction_with_another_exit_code(tmp_path, monkeypatch):
+    # TFDP_EVICT_EXIT_CODE (for schedulers that retry only codes >= 128): tfdp-run reads the
+    # same variable as the workers.
+    monkeypatch.setenv("TFDP_EVICT_EXIT_CODE", "200")
+    code, out = launch_fake(tmp_path, {"*@0": "evict:1"}, "--max-restarts", "1",
+                            "--min-workers", "2", workers=3)
+    assert code == 0, out
+    assert "[tfdp-run] restart 1/1: worker 1 evicted: fake straggler\n" in out
+    assert "exited with code 200;" in out and not list(tmp_path.glob("SIGTERM-*"))
+    monkeypatch.setenv("TFDP_EVICT_EXIT_CODE", "x")
+    code, out = launch_fake(tmp_path, {}, workers=1)
+    assert code == 2 and "TFDP_EVICT_EXIT_CODE='x' is not an exit code from 1 to 255" in out
+
+
 def test_eviction_below_min_workers_is_a_plain_restart(tmp_path):
     code, out = launch_fake(tmp_path, {"*@0": "evict:1"}, "--max-restarts", "1")
     assert code == 0, out

@@ -69,8 +69,9 @@ from tfdp.hosts import HostsError, parse_hostfile, parse_hosts, ranks_by_host, s
 from tfdp.launch import Attempt, SshConfig, WorkerLog, free_ports
 from tfdp.protocol import (CPU_REPLICAS_ENV, DEFAULT_GRACE_SECONDS, EVICT_FILE,
                            EXIT_CANNOT_START, EXIT_INTERRUPTED, EXIT_NEVER_JOINED,
-                           EXIT_PREEMPTED, EXIT_RESTART_REQUESTED, EXIT_TERMINATED, EXIT_TIMEOUT,
-                           GRACE_ENV, MIN_WORKERS_ENV, RESTARTS_LEFT_ENV, describe_exit)
+                           EXIT_PREEMPTED, EXIT_TERMINATED, EXIT_TIMEOUT, GRACE_ENV,
+                           MIN_WORKERS_ENV, RESTARTS_LEFT_ENV, describe_exit,
+                           restart_requested_exit_code)
 
 __all__ = ["main", "parse_args", "free_ports", "tf_configs", "Attempt", "Launcher",
            "EXIT_TIMEOUT", "EXIT_NEVER_JOINED", "EXIT_INTERRUPTED", "EXIT_TERMINATED",
@@ -122,6 +123,9 @@ class Launcher:
             self.env.setdefault(TF_CPP_LOG_ENV, TF_CPP_QUIET)
         if cpu_replicas:
             self.env[CPU_REPLICAS_ENV] = str(cpu_replicas)
+        # Workers ask for a restart without a worker with this code (75 unless
+        # TFDP_EVICT_EXIT_CODE says otherwise); ValueError names a bad value.
+        self.restart_code = restart_requested_exit_code(self.env)
         self.slot_hosts = None if hosts is None else slot_hosts(hosts)
         if self.slot_hosts is not None and len(self.slot_hosts) != policy.num_workers:
             raise ValueError(f"the hosts have {len(self.slot_hosts)} slots but the policy "
@@ -239,7 +243,7 @@ class Launcher:
         # Workers exit 143 (preempted) or 75 (restart requested) together, after backing up
         # at the same step (and the chief writing evict.json): the others get the grace period
         # to finish by themselves, so no backup is cut short by SIGTERM.
-        together = code in (EXIT_PREEMPTED, EXIT_RESTART_REQUESTED)
+        together = code in (EXIT_PREEMPTED, self.restart_code)
         if not together:
             self._report_failure(attempt, rank)
         phases = [(None, grace)] if together else []
@@ -378,8 +382,8 @@ class Launcher:
             shutil.rmtree(workdir, ignore_errors=True)
 
     def _with_eviction(self, attempt, end):
-        """A worker exit with EXIT_RESTART_REQUESTED + a valid evict.json is an eviction request."""
-        if not (isinstance(end, supervisor.WorkerExited) and end.code == EXIT_RESTART_REQUESTED):
+        """A worker exit with the restart-requested code + a valid evict.json is an eviction."""
+        if not (isinstance(end, supervisor.WorkerExited) and end.code == self.restart_code):
             return end
         text = attempt.eviction_text()
         eviction = None if text is None else supervisor.parse_eviction(text, attempt.num_workers)
@@ -390,7 +394,7 @@ class Launcher:
         if isinstance(eviction, str):
             self.log(f"ignoring the eviction request: {eviction}")
             return end
-        return supervisor.EvictionRequested(end.rank, eviction)
+        return supervisor.EvictionRequested(end.rank, eviction, end.code)
 
     def _finish(self, decision) -> int:
         for message in decision.messages:
@@ -541,6 +545,11 @@ def main(argv=None) -> int:
                     options=tuple(args.ssh_option), python=args.ssh_python,
                     connect_timeout=connect)
     env = dict(os.environ, **args.env_values)
+    try:
+        restart_requested_exit_code(env)
+    except ValueError as e:
+        print(f"tfdp-run: error: {e}", file=sys.stderr)
+        return 2
     launcher = Launcher(args.command, policy, cpu_replicas=args.cpu_replicas,
                         grace_seconds=args.grace_period, env=env, hosts=args.host_list, ssh=ssh,
                         output=args.output, log_dir=args.log_dir, pass_env=args.env_names,

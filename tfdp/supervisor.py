@@ -170,10 +170,13 @@ class EvictionRequested:
     Args:
         exited_rank: the first worker observed to exit (with code 75).
         eviction: what ``evict.json`` asked for.
+        code: the code the workers exited with: 75, or ``TFDP_EVICT_EXIT_CODE``
+            (:func:`tfdp.protocol.restart_requested_exit_code`); the job's code if it ends.
     """
 
     exited_rank: int
     eviction: Eviction
+    code: int = EXIT_RESTART_REQUESTED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,13 +304,13 @@ def decide(policy: Policy, state: JobState, end: AttemptEnd) -> Decision:
             return _restart(policy, state, cause, drop_ranks=(rank,),
                             drop_reason=f"evicted by the job: {reason}")
         plain = (f"{_worker(state, end.exited_rank)} exited with "
-                 f"{describe_exit(EXIT_RESTART_REQUESTED)}")
+                 f"{describe_exit(end.code)}")
         if left > 0:
             restart = _restart(policy, state, plain)
             return dataclasses.replace(
                 restart, messages=(f"{refusal}; restarting on the same {n} workers",)
                 + restart.messages)
-        return _finish(EXIT_RESTART_REQUESTED, f"{refusal}; stopping the job")
+        return _finish(end.code, f"{refusal}; stopping the job")
 
     if isinstance(end, HostUnreachable):
         return _decide_host(policy, state, end)
