@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tfdp import supervisor as sv
-from tfdp.supervisor import (Completed, EvictionRequested, Eviction, Interrupted, JobState,
-                             NeverJoined, Policy, TimedOut, WorkerExited, decide, run_policy)
+from tfdp.supervisor import (Completed, Decision, EvictionRequested, Eviction, HostUnreachable,
+                             Interrupted, JobState, NeverJoined, Policy, TimedOut, WorkerExited,
+                             decide, run_policy)
 
 
 def messages(decisions):
@@ -135,6 +136,34 @@ def test_never_joined_restarts_then_drops_then_gives_125():
     assert d[-1].exit_code == sv.EXIT_NEVER_JOINED
     assert d[-1].messages == ("restarts exhausted (1/1): worker 0 did not join the cluster "
                               "within 5 s",)
+
+
+def test_unreachable_host_restarts_then_drops_all_its_slots():
+    # Hosts a (slots 0, 1) and b (slots 2, 3); b cannot be reached at launch and again after
+    # the restart: its two slots go together, and the job continues on a's.
+    policy = Policy(4, max_restarts=3, min_workers=2)
+    d = run_policy(policy, [HostUnreachable("b", (2, 3)), HostUnreachable("b", (2, 3)),
+                            Completed()])
+    assert d[0].messages == ("restart 1/3: cannot reach host b (worker(s) [2, 3])",)
+    assert d[0].dropped_slots == () and d[0].next_state.slots == (0, 1, 2, 3)
+    assert d[1].dropped_slots == (2, 3) and d[1].dropped_slot == 2
+    assert d[1].next_state == JobState((0, 1), 2)
+    assert d[1].messages[1] == ("workers [2, 3] dropped: host b could not be reached again "
+                                "after restart 1; continuing on 2 workers")
+    assert d[2].exit_code == 0
+
+
+def test_unreachable_host_ends_the_job_with_255_when_it_may_not_be_dropped():
+    d = run_policy(Policy(4, max_restarts=3, min_workers=3),
+                   [HostUnreachable("b", (2, 3)), HostUnreachable("b", (2, 3))])
+    assert d[-1].exit_code == 255 and d[-1].messages == (
+        "host b could not be reached again after restart 1, and dropping its worker(s) [2, 3] "
+        "would leave 2 worker(s), below --min-workers 3; stopping the job",)
+    # Not elastic, no restarts: the launcher already said which host; the job ends with 255.
+    assert decide(Policy(2), JobState((0, 1)), HostUnreachable("b", (1,))) == Decision(255)
+    # After a drop, ranks are renumbered: the slots named are the host's.
+    state = JobState((1, 2, 3), 1)
+    assert decide(Policy(4, 3, 1), state, HostUnreachable("c", (1, 2))).dropped_slots == (2, 3)
 
 
 def test_eviction_request_drops_the_named_rank_and_uses_a_restart():
