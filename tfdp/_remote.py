@@ -44,13 +44,13 @@ def tell(message):
         sys.stderr.flush()
 
 
-def free_ports(count):
-    """``count`` distinct TCP ports free on every interface (held open together)."""
+def free_ports(count, host=""):
+    """``count`` distinct TCP ports free on ``host`` ("": every interface), held open together."""
     sockets = []
     try:
         for _ in range(count):
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("", 0))
+            s.bind((host, 0))
             sockets.append(s)
         return [s.getsockname()[1] for s in sockets]
     finally:

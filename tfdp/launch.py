@@ -36,7 +36,6 @@ import os
 import queue
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -65,16 +64,7 @@ _BOOTSTRAP = ('import sys,json;exec(compile(json.loads(sys.stdin.buffer.readline
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list:
     """``n`` distinct free TCP ports on ``host`` (held open together so they differ)."""
-    sockets = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+    return _remote.free_ports(n, host)
 
 
 def watch_exit(pid: int, key, exits: "queue.Queue"):
