@@ -93,7 +93,7 @@ def _example(args, tfdp_run_workers=0, timeout=300):
     script = [sys.executable, os.path.join(ROOT, "examples", "custom_loop.py"), *args]
     if tfdp_run_workers:
         script = [sys.executable, "-m", "tfdp.run", "--workers", str(tfdp_run_workers),
-                  "--cpu-replicas", "2", "--", *script]
+                  "--cpu-replicas", "2", "--output", "all", "--", *script]
     proc = subprocess.run(script, capture_output=True, text=True, timeout=timeout, env=env)
     return proc.returncode, proc.stdout, proc.stderr
 

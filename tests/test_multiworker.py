@@ -108,7 +108,7 @@ def test_ctrl_c_is_forwarded_and_stops_everything(tmp_path):
     environ = dict(os.environ, TFDP_TEST_OUT=str(tmp_path), TFDP_TEST_EPOCHS="100000")
     environ.pop("TF_CONFIG", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tfdp.run", "--workers", "2", "--", sys.executable,
+        [sys.executable, "-m", "tfdp.run", "--workers", "2", "--output", "all", "--", sys.executable,
          os.path.join(HERE, "mw_worker.py")],
         env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
