@@ -173,6 +173,7 @@ def test_a_crash_inside_a_backup_write_resumes_from_the_previous_one(tmp_path, m
     # rename: the job must resume from step 8's backup, with real Keras weights.
     want, _ = fit(None)
     from tfdp import resilience
+    from tfdp.resilience import backups
     real_rename, calls = os.rename, []
 
     def dying_rename(src, dst):
@@ -181,9 +182,9 @@ def test_a_crash_inside_a_backup_write_resumes_from_the_previous_one(tmp_path, m
             raise Crash("killed between the weights and the rename")
         return real_rename(src, dst)
 
-    monkeypatch.setattr(resilience.os, "rename", dying_rename)
+    monkeypatch.setattr(backups.os, "rename", dying_rename)
     _, first = fit(tmp_path, crash_after=None)
-    monkeypatch.setattr(resilience.os, "rename", real_rename)
+    monkeypatch.setattr(backups.os, "rename", real_rename)
     assert first == list(range(1, 12))  # step 12 trained; its backup never switched in
     assert resilience.BackupStore(tmp_path).steps() == [8]
     got, second = fit(tmp_path)
@@ -198,3 +199,15 @@ def test_an_old_layout_backup_is_not_resumed_silently(tmp_path):
         _, ran = fit(tmp_path, crash_after=2)
     assert ran == [1, 2]  # started from the beginning
     assert any("does not resume" in str(w.message) for w in caught)
+
+
+def test_resume_from_a_tf_io_gfile_filesystem_is_step_exact():
+    # TensorFlow's in-memory ram:// filesystem (tf.io.gfile, as gs:// and s3:// are reached).
+    backup_dir = f"ram://tfdp-test-{os.getpid()}/backup"
+    want, _ = fit(None)
+    _, first = fit(backup_dir, crash_after=10)
+    assert tf.io.gfile.exists(backup_dir + "/step-000000000008/meta.json")
+    got, second = fit(backup_dir)
+    assert first == list(range(1, 11)) and second == list(range(9, 19))
+    assert_close(got, want)
+    assert not tf.io.gfile.exists(backup_dir)  # deleted after the successful end

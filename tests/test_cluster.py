@@ -1,7 +1,13 @@
-"""ClusterConfig parsing: valid TF_CONFIGs, every malformed case, and fuzzing."""
+"""Cluster discovery: TF_CONFIG (TFJob layouts), Vertex CLUSTER_SPEC, SageMaker, Slurm (pure
+parts), cluster_resolver; malformed input and fuzzing; one real 2-process run per layout."""
 
 import json
+import os
+import socket
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -307,7 +313,8 @@ def test_a_users_own_resolver_and_tensorflows_slurm_resolver_convert(monkeypatch
     for k, v in SLURM_2x1.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the resolver rewrites it
-    resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(gpus_per_node=0)
+    resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(gpus_per_node=1,
+                                                                   gpus_per_task=1)
     converted = ClusterConfig.from_resolver(resolver)
     # The resolver's own choices carry over: its sorted hosts and its ports.
     assert converted.workers == [w for w in resolver.cluster_spec().as_dict()["worker"]]
@@ -500,3 +507,100 @@ def test_eviction_exit_code_is_configurable_for_exit_code_restart_policies():
     for bad in ["0", "256", "x", "-1"]:
         with pytest.raises(ValueError, match="TFDP_EVICT_EXIT_CODE"):
             protocol.restart_requested_exit_code({"TFDP_EVICT_EXIT_CODE": bad})
+
+
+# --- one real 2-process run per scheduler layout (processes on 127.0.0.1) ----------------
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "cluster_train.py")
+RUN_TIMEOUT = 240
+
+
+def free_ports(n, consecutive=False):
+    """n free ports on 127.0.0.1 (consecutive ones for SM_HOSTS' base + rank)."""
+    while True:
+        socks = []
+        try:
+            first = socket.socket()
+            first.bind(("127.0.0.1", 0))
+            socks.append(first)
+            for i in range(1, n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", first.getsockname()[1] + i if consecutive else 0))
+            return [s.getsockname()[1] for s in socks]
+        except OSError:
+            continue  # a consecutive port was taken: try another base
+        finally:
+            for s in socks:
+                s.close()
+
+
+def run_two(tmp_path, layouts):
+    """Starts one worker per environment in ``layouts``; returns their outputs."""
+    procs = []
+    for layout in layouts:
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("TF_CONFIG", "CLUSTER_SPEC", "SM_HOSTS") and not k.startswith("SLURM")}
+        env.update(layout, TFDP_TEST_OUT=str(tmp_path), TFDP_TEST_EPOCHS="1",
+                   TF_CPP_MIN_LOG_LEVEL="2", TFDP_CPU_REPLICAS="1")
+        procs.append(subprocess.Popen([sys.executable, WORKER], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=RUN_TIMEOUT)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()  # only the processes this test started, by their handle
+                proc.wait()
+    for proc, out in zip(procs, outputs):
+        assert proc.returncode == 0, "\n".join(outputs)
+    return outputs
+
+
+def assert_trained_like_one_device(tmp_path, ranks=(0, 1)):
+    import keras
+    from helpers import classification_data, initial_weights, mlp, train, assert_weights_close
+    x, y = classification_data(n=256)
+    model, _ = train(None, mlp, lambda: keras.optimizers.Adam(0.01), x, y, 32, epochs=1,
+                     weights=initial_weights(mlp))
+    for rank in ranks:
+        saved = np.load(tmp_path / f"weights-{rank}.npz")
+        assert_weights_close([saved[f"arr_{i}"] for i in range(len(saved.files))],
+                             model.get_weights())
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_tfjob_chief_and_worker_train_with_an_evaluator_entry(tmp_path):
+    chief, worker, evaluator = (f"127.0.0.1:{p}" for p in free_ports(3))
+    cluster = {"chief": [chief], "worker": [worker], "evaluator": [evaluator]}  # never started
+    outputs = run_two(tmp_path, [{"TF_CONFIG": tfjob(t, 0, cluster)} for t in ("chief", "worker")])
+    assert "rank 0: source=TF_CONFIG workers=2" in outputs[0], outputs[0]
+    assert "rank 1: source=TF_CONFIG workers=2" in outputs[1], outputs[1]
+    assert_trained_like_one_device(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_vertex_cluster_spec_trains(tmp_path):
+    pools = {"workerpool0": [f"127.0.0.1:{free_ports(1)[0]}"],
+             "workerpool1": [f"127.0.0.1:{free_ports(1)[0]}"]}
+    outputs = run_two(tmp_path, [{"CLUSTER_SPEC": vertex(t, 0, pools)}
+                                 for t in ("workerpool0", "workerpool1")])
+    assert "rank 0: source=CLUSTER_SPEC workers=2" in outputs[0], outputs[0]
+    assert "rank 1: source=CLUSTER_SPEC workers=2" in outputs[1], outputs[1]
+    assert_trained_like_one_device(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_sagemaker_hosts_train(tmp_path):
+    base = free_ports(2, consecutive=True)[0]
+    hosts = ["127.0.0.1", "localhost"]  # two names for this machine, as algo-1, algo-2
+    outputs = run_two(tmp_path, [{"SM_HOSTS": json.dumps(hosts), "SM_CURRENT_HOST": h,
+                                  "TFDP_PORT_BASE": str(base)} for h in hosts])
+    assert f"rank 0: source=SM_HOSTS workers=2 replicas=1 address=127.0.0.1:{base}" in outputs[0]
+    assert f"rank 1: source=SM_HOSTS workers=2 replicas=1 address=localhost:{base + 1}" in outputs[1]
+    assert_trained_like_one_device(tmp_path)

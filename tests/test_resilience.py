@@ -89,6 +89,7 @@ def test_store_keeps_the_newest_and_ignores_incomplete(tmp_path):
 _CHILD = textwrap.dedent("""
     import json, os, signal, sys
     from tfdp import resilience
+    from tfdp.resilience import backups
     kill_at = int(sys.argv[2]); events = [0]
     def event():
         events[0] += 1
@@ -96,10 +97,10 @@ _CHILD = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGKILL)
     WRITING = [False]
     for name in ("_fsync_file", "_fsync_dir"):
-        real = getattr(resilience, name)
+        real = getattr(backups, name)
         def wrapped(path, real=real):
             event(); real(path); event()
-        setattr(resilience, name, wrapped)
+        setattr(backups, name, wrapped)
     real_rename = os.rename
     def rename(a, b):
         event(); real_rename(a, b); event()
@@ -185,3 +186,39 @@ def test_mark_progress_writes_the_launcher_file(tmp_path):
     resilience.mark_progress(1, {"TFDP_CONTROL_DIR": str(tmp_path), "TFDP_ATTEMPT": "2"})
     assert (tmp_path / "step-1").read_text() == "2"
     resilience.mark_progress(1, {})  # no launcher: nothing to do
+
+
+def test_store_on_a_tf_io_gfile_filesystem_commits_with_the_metadata_last():
+    # TensorFlow's in-memory ram:// filesystem stands for gs:// and s3://: reached through
+    # tf.io.gfile, no atomic directory rename, so meta.json written last marks completion.
+    import tensorflow as tf
+
+    directory = f"ram://tfdp-test-{os.getpid()}/backup"
+    store = BackupStore(directory, keep=2)
+
+    def writer(step, fail=False):
+        def write_weights(path):
+            with tf.io.gfile.GFile(path, "wb") as f:
+                f.write(bytes([step]) * 100)
+            if fail:
+                raise RuntimeError("killed after the weights, before the metadata")
+        return write_weights
+
+    for step in (5, 10, 15):
+        store.write(step, writer(step), {"epoch": 0, "step_in_epoch": step})
+    assert store.steps() == [10, 15]
+    with pytest.raises(RuntimeError, match="killed"):
+        store.write(20, writer(20, fail=True), {"epoch": 0, "step_in_epoch": 20})
+    assert tf.io.gfile.exists(store.weights_path(20))  # the weights are there ...
+    assert store.latest() == 15  # ... but without meta.json it is not a backup
+    with tf.io.gfile.GFile(store.weights_path(15), "rb") as f:
+        assert f.read() == bytes([15]) * 100
+    assert store.read_meta(15)["step_in_epoch"] == 15 and store.readable(15)
+    store.write(15, writer(99), {"epoch": 1, "step_in_epoch": 0})  # the same step again
+    assert store.read_meta(15)["epoch"] == 1
+    with tf.io.gfile.GFile(store.weights_path(15), "rb") as f:
+        assert f.read() == bytes([15]) * 100  # one step is one state: weights kept
+    store.prune()
+    assert not tf.io.gfile.exists(store.path(20))  # the incomplete one is removed
+    store.delete()
+    assert store.steps() == [] and not tf.io.gfile.exists(directory)

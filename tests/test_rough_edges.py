@@ -224,7 +224,7 @@ def _launch_clean(workers=3, **env):
     environ = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     environ.pop("TF_CONFIG", None)
     environ.update({k: str(v) for k, v in env.items()})
-    cmd = [sys.executable, "-m", "tfdp.run", "--workers", str(workers), "--",
+    cmd = [sys.executable, "-m", "tfdp.run", "--workers", str(workers), "--output", "all", "--",
            sys.executable, os.path.join(HERE, "mw_clean_worker.py")]
     proc = subprocess.run(cmd, env=environ, capture_output=True, text=True,
                           timeout=LAUNCH_TIMEOUT)

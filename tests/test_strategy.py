@@ -31,6 +31,119 @@ def test_nccl_without_gpu_is_a_clear_error():
         tfdp.DataParallelStrategy(communication="nccl")
 
 
+# --- GPUs, decided on CPU: dtypes collectives cannot sum, shared GPUs (issue 23) ---------
+
+@pytest.mark.parametrize("dtype,device,expected", [
+    (tf.float32, "GPU", None), (tf.float16, "GPU", None), (tf.float64, "GPU", None),
+    (tf.int64, "GPU", None),
+    (tf.int32, "GPU", tf.int64),      # 'does not support datatype DT_INT32 on DEVICE_GPU'
+    (tf.bfloat16, "GPU", tf.float32),  # ... DT_BFLOAT16 on DEVICE_GPU
+    (tf.int32, "CPU", None), (tf.bfloat16, "CPU", None),
+    (tf.bool, "CPU", tf.int64), (tf.bool, "GPU", tf.int64),  # no collective sums bool
+    (tf.uint8, "CPU", tf.int64), (tf.int16, "GPU", tf.int64), (tf.uint32, "GPU", tf.int64),
+])
+def test_reduce_dtype_policy(dtype, device, expected):
+    from tfdp.collectives import reduce_dtype
+    assert reduce_dtype(dtype, device) == expected
+
+
+def test_reduce_dtype_refuses_what_no_widening_holds():
+    from tfdp.collectives import reduce_dtype
+    for dtype in (tf.uint64, tf.complex64, tf.string):
+        with pytest.raises(TypeError, match="Cast them to float32 or int64"):
+            reduce_dtype(dtype, "GPU")
+
+
+def _replica_values(strategy, dtype):
+    return strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.cast(tf.fill([2], ctx.replica_id_in_sync_group + 1), dtype))
+
+
+@pytest.mark.parametrize("dtype", [tf.bool, tf.uint8, tf.int32])
+def test_reduce_of_dtypes_collectives_cannot_sum(dtype):
+    # The policy forced to GPU rules on CPU replicas: bool and uint8 fail on any device
+    # without it (guard below), int32 is what fails on GPUs.
+    strategy = tfdp.DataParallelStrategy(cpu_devices(4))
+    strategy.extended._tfdp_reduce_device_type = "GPU"
+    values = _replica_values(strategy, dtype)
+    total = strategy.reduce("SUM", values, axis=None)
+    assert total.dtype == dtype
+    expected = np.sum([np.full(2, r + 1).astype(dtype.as_numpy_dtype) for r in range(4)], axis=0)
+    np.testing.assert_array_equal(total.numpy(), expected.astype(dtype.as_numpy_dtype))
+
+    @tf.function
+    def all_reduced():
+        return strategy.run(lambda v: tf.distribute.get_replica_context().all_reduce("sum", v),
+                            args=(values,))
+
+    for part in strategy.experimental_local_results(all_reduced()):
+        assert part.dtype == dtype
+        np.testing.assert_array_equal(part.numpy(), expected.astype(dtype.as_numpy_dtype))
+    # The collectives ran in int64 (the graph says so); without the policy they would run
+    # in dtype, which TensorFlow refuses for bool and uint8 on any device (and, once failed,
+    # a collective executor stays aborted, so that is not run here).
+    graph = all_reduced.get_concrete_function().graph
+    kinds = {op.get_attr("T") for op in graph.get_operations() if op.type == "CollectiveReduceV2"}
+    assert kinds == {tf.int64}
+
+
+def test_fit_with_int32_labels_under_gpu_dtype_rules_trains_like_one_device():
+    # Keras reduces the (x, int32 y) batch nest before fit; under GPU rules y travels as int64.
+    x, y = classification_data(n=64)
+    weights = initial_weights(mlp)
+    sgd = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
+    ref, _ = train(None, mlp, sgd, x, y, 32, weights=weights)
+    strategy = tfdp.DataParallelStrategy(cpu_devices(2))
+    strategy.extended._tfdp_reduce_device_type = "GPU"
+    got, _ = train(strategy, mlp, sgd, x, y, 32, weights=weights)
+    assert_weights_close(got.get_weights(), ref.get_weights())
+
+
+@pytest.mark.parametrize("counts,visible,indices,expected", [
+    ([1, 1], None, [0, 1], ["0", "1"]),
+    ([2], None, [0, 1], ["0", "0"]),                  # two logical GPUs on one physical
+    ([2, 1], None, [0, 1, 2], ["0", "0", "1"]),
+    ([1, 1], "3,5", [0, 1], ["3", "5"]),              # CUDA_VISIBLE_DEVICES renumbers
+    ([1], "GPU-8f2a", [0], ["GPU-8f2a"]),             # or names by UUID
+])
+def test_gpu_identities(counts, visible, indices, expected):
+    from tfdp import devices
+    assert devices.gpu_identities(indices, counts, visible) == expected
+
+
+def test_shared_gpu_detection():
+    from tfdp.devices import Placement, shared_gpu
+    alone = [Placement(0, 0, "a", "0"), Placement(0, 1, "a", "1"), Placement(1, 0, "b", "0")]
+    assert shared_gpu(alone) is None  # GPU 0 of two hosts is two GPUs
+    logical = [Placement(0, 0, "a", "0"), Placement(0, 1, "a", "0")]
+    assert shared_gpu(logical) == ("a", "0", [(0, 0), (0, 1)])
+    workstation = [Placement(0, 0, "ws", "0"), Placement(1, 0, "ws", "0")]  # tfdp-run -w 2
+    assert shared_gpu(workstation).replicas == [(0, 0), (1, 0)]
+    split = [Placement(0, 0, "ws", "0"), Placement(1, 0, "ws", "1")]  # CUDA_VISIBLE_DEVICES
+    assert shared_gpu(split) is None
+
+
+def test_shared_gpu_picks_ring_for_auto_and_refuses_nccl():
+    from tfdp.devices import SharedGPU
+    shared = SharedGPU("ws", "0", [(0, 0), (1, 0)])
+    assert strategy_lib.resolve_communication("auto", "GPU", shared) == "ring"
+    assert strategy_lib.resolve_communication("ring", "GPU", shared) == "ring"
+    with pytest.raises(ValueError) as raised:
+        strategy_lib.resolve_communication("nccl", "GPU", shared)
+    for needed in ("GPU '0' of host 'ws'", "worker 0 replica 0", "worker 1 replica 0",
+                   "NCCL refuses two ranks on one GPU", "communication='auto' or 'ring'",
+                   "CUDA_VISIBLE_DEVICES"):
+        assert needed in str(raised.value), needed
+    assert strategy_lib.resolve_communication("auto", "GPU", None) == "nccl"  # guard
+
+
+def test_bf16_compression_on_gpus_is_a_clear_error():
+    with pytest.raises(ValueError, match="compression='fp16'"):
+        strategy_lib._check_compression("bf16", "GPU")
+    strategy_lib._check_compression("bf16", "CPU")
+    strategy_lib._check_compression("fp16", "GPU")
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"communication": "mpi"}, "not one of"),
     ({"compression": "int8"}, "compression='int8'"),

@@ -204,3 +204,73 @@ def test_keras_class_patches_are_installed_and_wrap_keras():
         method = getattr(cls, name)
         assert getattr(method, "_tfdp_patch", False), name
         assert method.__wrapped__.__module__.startswith("keras."), name
+
+
+def test_keras_trainer_internals_against_installed_keras():
+    import numpy as np
+    import tensorflow as tf
+    import keras
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.1), "mse", metrics=["mae"])
+    x, y = np.ones((4, 2), "float32"), np.zeros((4, 1), "float32")
+    model.fit(x, y, epochs=1, verbose=0)  # builds the metrics
+    assert _tf_private.keras_model_supports_jit(model) is True
+    assert _tf_private.keras_call_has_training_arg(model) is True
+    y_pred = model(x)
+    loss = _tf_private.keras_compute_loss(model, x, y, y_pred, None, training=True)
+    np.testing.assert_allclose(float(loss), np.mean(y_pred.numpy() ** 2), rtol=1e-6)
+    assert _tf_private.keras_loss_tracker(model) in model.metrics
+    assert float(_tf_private.unscale_loss_for_distribution(tf.constant(2.0))) == 2.0  # 1 replica
+    traced = []
+
+    def step(data):
+        traced.append(data)
+        return {"n": tf.shape(data[0])[0]}
+
+    function = _tf_private.keras_make_step_function(model, step)
+    logs = function(iter(tf.data.Dataset.from_tensors((x, y))))
+    assert int(logs["n"]) == 4 and len(traced) == 1  # Keras wrapped and traced our step
+
+
+def test_keras_trainer_patches_are_installed_and_wrap_keras():
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    from keras.src.trainers.trainer import Trainer
+
+    tfdp.DataParallelStrategy([f"/device:CPU:{i}" for i in range(2)])
+    for cls, name in [(Trainer, "_resolve_auto_jit_compile"),
+                      (TensorFlowTrainer, "make_train_function"),
+                      (TensorFlowTrainer, "make_test_function")]:
+        method = getattr(cls, name)
+        assert getattr(method, "_tfdp_patch", False), name
+        assert method.__module__ == "tfdp.xla", name
+        assert method.__wrapped__.__module__.startswith("keras."), name
+
+
+def test_coordination_service_key_value_calls_exist():
+    # Exercised for real by tests/test_xla.py's two-worker run (devices.exchange_gpu_placements).
+    context = _tf_private._eager_context.context()
+    for name in ("set_config_key_value", "get_config_key_value", "wait_at_barrier"):
+        assert callable(getattr(context, name, None)), name
+
+
+def test_set_keras_initial_epoch_makes_fit_start_there():
+    # Pins Trainer._initial_epoch: a callback sets it in on_train_begin (BackupAndRestore's
+    # resume) and fit runs only the epochs after it.
+    import keras
+    import numpy as np
+
+    epochs_run = []
+
+    class Resume(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            _tf_private.set_keras_initial_epoch(self.model, 2)
+
+        def on_epoch_begin(self, epoch, logs=None):
+            epochs_run.append(epoch)
+
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    x = np.zeros((4, 1), "float32")
+    model.fit(x, x, epochs=4, verbose=0, callbacks=[Resume()])
+    assert epochs_run == [2, 3]

@@ -21,12 +21,14 @@ _NAMES = {
     "DataParallelStrategy": "tfdp.strategy",
     "scale_learning_rate": "tfdp.schedules",
     "ShardedOptimizer": "tfdp.sharding",
+    "compile_gradients": "tfdp.xla",
 }
 _SUBMODULES = ("callbacks", "data", "optimizers", "schedules")
 _TF_SIDE = ("tfdp.devices", "tfdp.strategy", "tfdp.schedules", "tfdp.optimizers", "tfdp.sharding",
-            "tfdp.data", "tfdp.callbacks")
+            "tfdp.data", "tfdp.callbacks", "tfdp.xla")
 
-__all__ = ["callbacks", "ClusterConfig", "ClusterConfigError", "configure_cpu_replicas", "data",
+__all__ = ["callbacks", "ClusterConfig", "ClusterConfigError", "compile_gradients",
+           "configure_cpu_replicas", "data",
            "DataParallelStrategy", "optimizers", "scale_learning_rate", "schedules",
            "ShardedOptimizer"]
 

@@ -504,3 +504,92 @@ def dataset_flat_types_and_shapes(element_spec):
     """(output_types, output_shapes) of a dataset with ``element_spec``, as dataset ops take them."""
     return (_data_structure.get_flat_tensor_types(element_spec),
             _data_structure.get_flat_tensor_shapes(element_spec))
+
+
+# --- Chief-only writes and agreed decisions (tfdp/chief_writes.py, tfdp/consensus.py) ------
+
+def keras_file_writers():
+    """The Keras functions that write a model or weights file, as (module, name) pairs; each
+    takes the path as its ``filepath`` argument.
+
+    Why: ``model.save``, ``keras.saving.save_model``, ``save_weights`` and every callback that
+    saves (ModelCheckpoint, BackupAndRestore, TensorBoard's embeddings) end in these functions
+    of Keras's private saving modules, which ``saving_api`` looks up at call time. The public
+    functions above them are bound under several public names (``keras.saving.save_model``,
+    ``keras.models.save_model``) that one patch would miss, and no public hook says "about to
+    write a file". tfdp wraps these so that only the chief writes at the script's path.
+    """
+    from keras.src.legacy.saving import legacy_h5_format
+    from keras.src.saving import saving_lib
+
+    return [(saving_lib, "save_model"), (saving_lib, "save_weights_only"),
+            (legacy_h5_format, "save_model_to_hdf5")]
+
+
+# Why: Keras's BackupAndRestore keeps every path it writes or deletes in these attributes (set
+# in __init__, used by _save_model and on_train_end); tfdp points them at a private directory
+# on workers other than the chief while it writes, and leaves them alone while it reads. No
+# public API separates its reads from its writes.
+KERAS_BACKUP_PATH_ATTRIBUTES = ("backup_dir", "_weights_path", "_training_metadata_path",
+                                "_prev_weights_path", "_prev_training_metadata_path")
+
+
+def keras_initial_epoch(model):
+    """The epoch Keras's BackupAndRestore restored into ``model`` (None: it restored nothing).
+
+    Why: BackupAndRestore hands the restored epoch to ``fit`` only through this attribute;
+    tfdp checks that every worker restored the same one.
+    """
+    return getattr(model, "_initial_epoch", None)
+
+
+def checkpoint_writer():
+    """(class, method name) of the one method every ``tf.train.Checkpoint`` write goes through.
+
+    Why: ``Checkpoint.save``, ``Checkpoint.write`` and ``CheckpointManager.save`` all write
+    through ``Checkpoint._write(file_prefix, options)``, which also runs the callbacks that
+    record the checkpoint state file next to it. Wrapping the public methods would miss the
+    manager (it calls ``_write`` directly).
+    """
+    import tensorflow as tf
+
+    return tf.train.Checkpoint, "_write"
+
+
+from collections import namedtuple as _namedtuple  # noqa: E402
+
+CheckpointManagerState = _namedtuple("CheckpointManagerState",
+                                     ["directory", "prefix", "maybe_delete", "latest"])
+
+
+def checkpoint_manager_state(manager) -> CheckpointManagerState:
+    """A ``tf.train.CheckpointManager``'s directory, checkpoint prefix, managed checkpoints
+    (an OrderedDict of prefix -> timestamp) and latest checkpoint.
+
+    Why: the manager writes its state file into ``directory`` and deletes old checkpoints by
+    the names it holds; to make a worker other than the chief save into a private directory
+    while the manager's bookkeeping keeps naming the chief's files, tfdp swaps these for one
+    ``save()``. The public properties are read-only.
+    """
+    return CheckpointManagerState(manager._directory, manager._checkpoint_prefix,  # noqa: SLF001
+                                  manager._maybe_delete, manager._latest_checkpoint)  # noqa: SLF001
+
+
+def set_checkpoint_manager_state(manager, state: CheckpointManagerState) -> None:
+    manager._directory = state.directory  # noqa: SLF001
+    manager._checkpoint_prefix = state.prefix  # noqa: SLF001
+    manager._maybe_delete = state.maybe_delete  # noqa: SLF001
+    manager._latest_checkpoint = state.latest  # noqa: SLF001
+
+
+# --- Resilience (tfdp/callbacks/backup_and_restore.py) ---------------------------------------
+
+def set_keras_initial_epoch(model, epoch: int) -> None:
+    """Makes ``model.fit`` start at ``epoch`` (a resumed job).
+
+    Why: ``fit`` reads its first epoch from ``model._initial_epoch`` when set (Keras's own
+    BackupAndRestore resumes through it); a callback cannot pass ``initial_epoch`` to a
+    ``fit`` call already running, and no public setter exists.
+    """
+    _get(model, "_initial_epoch", "resuming at an epoch")  # set by Keras's Trainer.__init__
+    model._initial_epoch = int(epoch)  # noqa: SLF001

@@ -27,6 +27,7 @@ from tfdp import _tf_private
 
 __all__ = [
     "COMPRESSION_DTYPES",
+    "reduce_dtype",
     "plan_buckets",
     "all_reduce_gradients",
     "all_reduce",
@@ -36,6 +37,37 @@ __all__ = [
 ]
 
 COMPRESSION_DTYPES = {None: None, "fp16": tf.float16, "bf16": tf.bfloat16}
+
+# What TensorFlow 2.21's collective executor sums (base_collective_executor.cc,
+# CreateCollective; the same for ring and NCCL): half, float, double and int64 on every
+# device; int32 and bfloat16 everywhere but on GPUs; bool and all other dtypes nowhere.
+_SUMMABLE = frozenset({tf.float16, tf.float32, tf.float64, tf.int64})
+_SUMMABLE_OFF_GPU = frozenset({tf.int32, tf.bfloat16})
+
+
+def reduce_dtype(dtype, device_type: str):
+    """The dtype in which values of ``dtype`` are summed across replicas; pure policy.
+
+    Returns None when TensorFlow's collectives sum ``dtype`` on ``device_type`` devices as
+    it is; otherwise a dtype that holds every value exactly and that they do sum: int64 for
+    bool and integers of up to 32 bits (int32 labels on GPUs), float32 for bfloat16 on GPUs.
+    The result is cast back to ``dtype``. MultiWorkerMirroredStrategy's RING trains with
+    int32 labels on GPUs because Keras reduces nothing there; tfdp reduces Keras's batch nest.
+
+    Raises:
+        TypeError: for dtypes no exact widening serves (uint64, complex, strings).
+    """
+    dtype = tf.as_dtype(dtype)
+    if dtype in _SUMMABLE or (device_type != "GPU" and dtype in _SUMMABLE_OFF_GPU):
+        return None
+    if dtype == tf.bfloat16:
+        return tf.float32
+    if dtype == tf.bool or (dtype.is_integer and dtype.size <= 4):
+        return tf.int64
+    raise TypeError(
+        f"tfdp cannot reduce {dtype.name} values across replicas: TensorFlow's collectives "
+        "sum float16/32/64 and int64 (int32 and bfloat16 off GPUs), and no exact widening "
+        f"of {dtype.name} exists. Cast them to float32 or int64 first.")
 
 # One collective per listed tensor: TensorFlow's packer opens a new pack once the current
 # one holds at least this many bytes, and every tensor we hand it holds at least one byte.

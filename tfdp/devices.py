@@ -1,13 +1,28 @@
-"""Local device discovery and ``configure_cpu_replicas``.
+"""Local device discovery, ``configure_cpu_replicas``, and replicas sharing a GPU.
 
 On a host without GPUs, TensorFlow exposes one CPU device. For development tfdp splits it
 into ``n`` logical devices so one process looks like ``n`` replicas, exactly as it would
 look with ``n`` GPUs: every code path except the NCCL kernels runs.
+
+Shared GPUs. NCCL refuses two ranks on one physical GPU (TensorFlow reports only ``NCCL:
+invalid usage`` at the first collective). Rule: a replica's GPU is identified by its host
+name and, on that host, the ``CUDA_VISIBLE_DEVICES`` entry (an index or a UUID) of the
+physical GPU behind its logical device (its CUDA index when the variable is unset); two
+replicas with the same identity share a GPU (``shared_gpu``). Logical GPUs split from one
+physical GPU share it; so do workers of one host that see the same GPU (``tfdp-run
+--workers 2`` on a one-GPU workstation). Workers exchange their identities through the
+coordination service before the first collective (``exchange_gpu_placements``). Entries
+written differently by different workers (an index in one, a UUID in another) are not
+recognised as the same GPU.
 """
 
 from __future__ import annotations
 
+import collections
+import json
 import os
+import socket
+from typing import Sequence
 
 import tensorflow as tf
 
@@ -15,7 +30,9 @@ import tensorflow as tf
 # change to the user's script; defined with the rest of the launcher protocol.
 from tfdp.cluster import CPU_REPLICAS_ENV
 
-__all__ = ["configure_cpu_replicas", "local_devices", "CPU_REPLICAS_ENV"]
+__all__ = ["configure_cpu_replicas", "local_devices", "CPU_REPLICAS_ENV", "shared_gpu",
+           "SharedGPU", "physical_gpu_of_logical", "gpu_identities", "local_gpu_placements",
+           "exchange_gpu_placements"]
 
 
 # Nothing here may initialise the TensorFlow runtime (tf.config.list_logical_devices
@@ -113,3 +130,89 @@ def local_devices(available: dict | None = None) -> tuple[list[str], str]:
     available = available_devices() if available is None else available
     device_type = "GPU" if available.get("GPU") else "CPU"
     return [d.name for d in _logical(device_type, available.get(device_type, 1))], device_type
+
+
+# --- replicas sharing a physical GPU ---------------------------------------------------------
+
+# One replica's GPU: (worker rank, local replica index, host name, GPU identity on the host).
+Placement = collections.namedtuple("Placement", ["worker", "replica", "host", "gpu"])
+SharedGPU = collections.namedtuple("SharedGPU", ["host", "gpu", "replicas"])
+
+
+def physical_gpu_of_logical(logical_per_physical: Sequence[int]) -> list[int]:
+    """Physical GPU index behind each logical GPU index; pure.
+
+    TensorFlow numbers logical GPUs physical device by physical device, so a GPU split into
+    two logical devices gives two consecutive logical indices.
+
+    Args:
+        logical_per_physical: logical devices of each physical GPU, in order (1 when unsplit).
+    """
+    return [p for p, n in enumerate(logical_per_physical) for _ in range(max(1, n))]
+
+
+def gpu_identities(logical_indices, logical_per_physical, visible_devices=None) -> list[str]:
+    """The identity on this host of the physical GPU behind each logical GPU; pure.
+
+    Args:
+        logical_indices: the replicas' logical GPU indices.
+        logical_per_physical: as for ``physical_gpu_of_logical``.
+        visible_devices: ``CUDA_VISIBLE_DEVICES`` (None or empty-free: unset). Its k-th
+            entry is the physical GPU TensorFlow numbers k.
+    """
+    physical = physical_gpu_of_logical(logical_per_physical)
+    entries = [e.strip() for e in visible_devices.split(",")] if visible_devices else None
+    out = []
+    for index in logical_indices:
+        p = physical[index]
+        out.append(entries[p] if entries and p < len(entries) else str(p))
+    return out
+
+
+def shared_gpu(placements) -> SharedGPU | None:
+    """The first physical GPU that two replicas use, or None; pure.
+
+    Args:
+        placements: ``Placement``s (worker, replica, host, gpu) of every replica of the job
+            (or ``(worker, replica, host, gpu)`` tuples).
+    """
+    users = collections.defaultdict(list)
+    for worker, replica, host, gpu in placements:
+        users[(host, gpu)].append((worker, replica))
+    for (host, gpu), replicas in users.items():
+        if len(replicas) > 1:
+            return SharedGPU(host, gpu, sorted(replicas))
+    return None
+
+
+def local_gpu_placements(rank: int, logical_indices, environ=None) -> list[Placement]:
+    """This worker's replicas' placements, without initialising the runtime."""
+    environ = os.environ if environ is None else environ
+    counts = []
+    for physical in tf.config.list_physical_devices("GPU"):
+        configs = tf.config.get_logical_device_configuration(physical)
+        counts.append(len(configs) if configs else 1)
+    host = socket.gethostname()
+    gpus = gpu_identities(logical_indices, counts, environ.get("CUDA_VISIBLE_DEVICES"))
+    return [Placement(rank, i, host, gpu) for i, gpu in enumerate(gpus)]
+
+
+def exchange_gpu_placements(key: str, rank: int, num_workers: int, local,
+                            timeout_seconds: float) -> list[Placement]:
+    """Every worker's placements, through the coordination service's key-value store.
+
+    Each worker publishes its own under ``key/<rank>`` and reads the others' (blocking at
+    most ``timeout_seconds`` for each); all workers get the same list, in rank order.
+    """
+    from tfdp import _tf_private
+
+    _tf_private.publish_to_coordination_service(
+        f"{key}/{rank}", json.dumps([list(p) for p in local]))
+    table = []
+    for worker in range(num_workers):
+        if worker == rank:
+            table.extend(local)
+            continue
+        text = _tf_private.read_from_coordination_service(f"{key}/{worker}", timeout_seconds)
+        table.extend(Placement(*p) for p in json.loads(text))
+    return table

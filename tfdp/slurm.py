@@ -126,8 +126,8 @@ def expand_hostlist(text: str, variable: str = "SLURM_STEP_NODELIST") -> list:
         if not item:
             raise _error(variable, text, "an empty host name", "pass Slurm's value unchanged")
         names = [""]
-        for literal, body in re.findall(r"([^\[\]]*)(?:\[([^\]]*)\])?", item):
-            values = _expand_ranges(body, text, variable) if body else [""]
+        for literal, bracket in re.findall(r"([^\[\]]*)(\[[^\]]*\])?", item):
+            values = _expand_ranges(bracket[1:-1], text, variable) if bracket else [""]
             names = [n + literal + v for n in names for v in values]
         hosts.extend(names)
     return hosts

@@ -14,41 +14,35 @@ many workers from ``TF_CONFIG``. What tfdp adds on top:
   process (the stock strategies reuse keys and the second ``fit`` fails);
 * a finite default collective timeout across workers, so a dead peer is an error, not a
   hang;
-* ``strategy.run`` inside an XLA-compiled function (``model.compile(jit_compile=True)``, or
-  ``tf.function(jit_compile=True)`` around ``strategy.run``) with several CPU replicas is
-  refused at trace time with one clear error (``jit_compile_error``): XLA on CPU cannot
-  compile the cross-replica collectives every step contains, and TensorFlow's own error
-  names neither XLA nor the fix. One replica, and GPUs, are left to TensorFlow;
-* workers of a multi-worker job leave together (see "Orderly exit" below), so a job that
+* XLA works under the strategy (``tfdp.xla``): ``model.compile(jit_compile=True)``
+  compiles each replica's forward/backward and keeps the reduction outside, and
+  ``jit_compile="auto"`` resolves as Keras would on one device (on for GPUs);
+  ``tf.function(jit_compile=True)`` around ``strategy.run`` itself, which XLA cannot compile
+  with several CPU replicas or several local GPUs, is refused at trace time with one clear
+  error (``jit_compile_error``) pointing to ``tfdp.compile_gradients``;
+* values TensorFlow's collectives cannot sum on the replicas' devices (int32 labels on
+  GPUs, bool flags anywhere) are reduced in a dtype they can (``collectives.reduce_dtype``);
+* replicas that share a physical GPU (logical GPUs, or workers of one host) are detected
+  before the first collective: ``"auto"`` then uses ring collectives, ``"nccl"`` is an error
+  (``devices.shared_gpu``);
+* workers of a multi-worker job leave together (``tfdp.orderly_exit``), so a job that
   succeeded prints no coordination-service errors from a worker that outlived the chief.
 
-Orderly exit. TensorFlow's coordination service, which every worker heartbeats to, runs in
-the chief's process, and TensorFlow has no multi-worker shutdown: a worker still running
-when the chief exits logs heartbeat errors (``Failed to connect to remote host``), and a
-chief still running ~10 s after the others exited logs them as crashed. So when the first
-multi-worker strategy is built, tfdp registers an exit handler. At interpreter exit, unless
-the process is failing (an uncaught exception, or a non-zero ``sys.exit``), every worker
-waits at one coordination-service barrier (at most the strategy's timeout; it fails as
-soon as the service finds a peer dead), then the chief, whose process hosts the service,
-waits until the other workers' processes are gone (at most ``CHIEF_EXIT_DRAIN_SECONDS``)
-before it exits. Failing exits never wait and keep their exit code; a handler that cannot
-complete logs one warning and lets the process exit. ``TFDP_ORDERLY_EXIT=0`` turns it off.
+The orderly exit lives in ``tfdp.orderly_exit``; its names stay importable from here.
 """
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import logging
 import os
-import socket
-import sys
-import threading
-import time
 
 import tensorflow as tf
 
-from tfdp import _tf_private, collectives, devices as devices_lib
+from tfdp import _tf_private, chief_writes, collectives, consensus, orderly_exit, xla
+from tfdp import devices as devices_lib
+from tfdp.orderly_exit import (CHIEF_EXIT_DRAIN_SECONDS, ORDERLY_EXIT_ENV,  # noqa: F401
+                               _wait_until_gone, leave_together_at_exit)  # (tests, earlier releases)
 from tfdp.cluster import READY_FILE_ENV, ClusterConfig
 
 __all__ = ["DataParallelStrategy", "resolve_communication", "jit_compile_error",
@@ -70,22 +64,16 @@ DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS = 300.0
 _KEY_RANGE = 1_000_000
 _key_bases = itertools.count(1)
 
-# "0" turns the orderly exit off (see the module docstring).
-ORDERLY_EXIT_ENV = "TFDP_ORDERLY_EXIT"
-# After the exit barrier the other workers need about 1 s (measured: Python and TensorFlow
-# teardown) to be gone; the chief waits at most this long for them. Well below the
-# coordination service's 10 s heartbeat timeout, after which the chief's service would
-# report the departed workers as crashed.
-CHIEF_EXIT_DRAIN_SECONDS = 5.0
-_EXIT_BARRIER_ID = "tfdp/orderly-exit"
 
 
-def resolve_communication(requested: str, device_type: str) -> str:
+def resolve_communication(requested: str, device_type: str, shared=None) -> str:
     """Returns the collective implementation that will run: ``"nccl"`` or ``"ring"``.
 
     Args:
         requested: ``"auto"`` (NCCL on GPUs, ring elsewhere), ``"nccl"`` or ``"ring"``.
         device_type: ``"GPU"``, ``"CPU"`` or ``"TPU"``, the type of the local replicas.
+        shared: a ``devices.SharedGPU`` when two replicas use one physical GPU (NCCL
+            refuses two ranks on one device): "auto" then picks ring, "nccl" is an error.
     """
     if requested not in COMMUNICATIONS:
         raise ValueError(
@@ -95,37 +83,80 @@ def resolve_communication(requested: str, device_type: str) -> str:
         raise ValueError(
             f"communication='nccl' needs GPUs, but the replicas are {device_type} devices "
             "(NCCL has no CPU kernel). Use communication='ring' or 'auto' on this host.")
+    if requested == "nccl" and shared is not None:
+        raise ValueError(
+            f"communication='nccl' cannot run: {describe_shared_gpu(shared)}, and NCCL refuses "
+            "two ranks on one GPU (TensorFlow would fail at the first collective with 'NCCL: "
+            "invalid usage'). Fix: communication='auto' or 'ring' (ring collectives work on "
+            "a shared GPU), or give each replica its own GPU (one logical device per "
+            "physical GPU; CUDA_VISIBLE_DEVICES set per worker on a shared host).")
     if requested == "auto":
-        return "nccl" if device_type == "GPU" else "ring"
+        return "nccl" if device_type == "GPU" and shared is None else "ring"
     return requested
 
 
-def jit_compile_error(device_type: str, num_replicas_in_sync: int) -> str | None:
-    """The error message for XLA-compiling a step of ``num_replicas_in_sync`` replicas, or None.
+_said_shared = set()
 
-    Pure policy. XLA on CPU cannot compile TensorFlow's cross-replica collectives (measured
+
+def _say_shared_gpu_once(requested, shared):
+    """Logs once per shared GPU why "auto" picked ring collectives."""
+    if shared is None or requested != "auto" or shared in _said_shared:
+        return
+    _said_shared.add(shared)
+    log.warning("tfdp: %s; NCCL refuses two ranks on one GPU, so communication='auto' uses "
+                "ring collectives.", describe_shared_gpu(shared))
+
+
+def _check_compression(compression, device_type):
+    if compression == "bf16" and device_type == "GPU":
+        raise ValueError(
+            "compression='bf16' cannot run on GPUs: TensorFlow's collectives do not sum "
+            "bfloat16 on GPUs ('Collective all-reduce does not support datatype DT_BFLOAT16 "
+            "on DEVICE_GPU'), with NCCL or ring. Use compression='fp16' (same wire size) or "
+            "None.")
+
+
+def describe_shared_gpu(shared) -> str:
+    """One line naming a shared GPU and the replicas on it (``devices.SharedGPU``)."""
+    who = ", ".join(f"worker {w} replica {r}" for w, r in shared.replicas)
+    return f"GPU {shared.gpu!r} of host {shared.host!r} holds several replicas ({who})"
+
+
+def jit_compile_error(device_type: str, num_replicas_in_sync: int,
+                      num_local_replicas: int = 1) -> str | None:
+    """The error for ``strategy.run`` traced inside an XLA-compiled function, or None.
+
+    Pure policy. XLA cannot compile TensorFlow's cross-replica collectives on CPUs (measured
     with TF 2.21: ``InvalidArgumentError: Graph execution error`` at the first step, under
-    MirroredStrategy too), so several CPU replicas are refused with the reason and the fix.
-    One replica has no collective to compile (tfdp skips the reduction) and works. On GPUs
-    TensorFlow compiles collectives with XLA itself, so tfdp does not interfere (not
-    verified here: no GPU).
+    MirroredStrategy too), nor a step spanning several GPUs of one process (measured on an
+    H100 with two logical GPUs: ``Trying to access resource .../replica_1/... located in
+    device GPU:1``). One replica has no collective to compile and works; one GPU per worker
+    is left to TensorFlow, which compiles GPU collectives itself (not verified: no GPU
+    cluster). ``model.fit`` never gets here: tfdp.xla compiles only each replica's part.
 
     Args:
         device_type: ``"CPU"``, ``"GPU"`` or ``"TPU"``, the type of the local replicas.
         num_replicas_in_sync: replicas over all workers.
+        num_local_replicas: replicas in this process.
     """
-    if device_type != "CPU" or num_replicas_in_sync <= 1:
+    if num_replicas_in_sync <= 1 or (device_type != "CPU" and num_local_replicas <= 1):
         return None
+    if device_type == "CPU":
+        what = f"{num_replicas_in_sync} CPU replicas"
+        why = ("XLA on CPU cannot compile the cross-replica collectives (gradient all-reduce, "
+               "metric sums) that every distributed step contains")
+    else:
+        what = f"{num_local_replicas} {device_type} replicas in one process"
+        why = ("XLA cannot compile one step over several GPUs of one process (TensorFlow fails "
+               "with 'Trying to access resource .../replica_1/... located in device')")
     return (
-        f"jit_compile=True cannot compile a step of {num_replicas_in_sync} CPU replicas: XLA "
-        "on CPU cannot compile the cross-replica collectives (gradient all-reduce, metric sums) "
-        "that every distributed step contains, so TensorFlow would fail at the first step "
-        "with an opaque 'InvalidArgumentError: Graph execution error'. Fix: "
-        "model.compile(..., jit_compile=False), or leave Keras's default "
-        "jit_compile='auto' (XLA stays off under a strategy); in a custom loop, call "
-        "strategy.run outside tf.function(jit_compile=True) (you may jit-compile the "
-        "per-replica function itself if it has no collectives); or train on one replica "
-        "(tfdp.DataParallelStrategy(devices=['/device:CPU:0'])), where jit_compile=True works.")
+        f"jit_compile=True cannot compile a step of {what}: {why}, so TensorFlow would fail "
+        "at the first step with an opaque error. Fix: compile only each replica's "
+        "forward/backward, with tfdp.compile_gradients(loss_fn, variables) inside "
+        "strategy.run and the optimizer update outside it (model.fit does this by itself "
+        "with jit_compile=True); or call strategy.run outside tf.function(jit_compile=True); "
+        "or use jit_compile=False (or jit_compile='auto'); with one replica, "
+        "jit_compile=True around strategy.run works.")
 
 
 def _resolve_devices(requested):
@@ -197,130 +228,6 @@ def _task_gpu_devices(positions) -> list:
     return [f"/device:GPU:{j}" for j in range(len(positions))]
 
 
-def leave_together_at_exit(uncaught_exception: bool, exit_code, environ=None) -> bool:
-    """Whether this worker should take part in the orderly exit; pure policy.
-
-    Args:
-        uncaught_exception: the interpreter is exiting because of an uncaught exception.
-        exit_code: the argument of ``sys.exit`` if it was called (None otherwise). ``None``
-            and ``0`` mean success, anything else (a non-zero int, a message) failure.
-        environ: the environment (default ``os.environ``); ``TFDP_ORDERLY_EXIT=0`` opts out.
-
-    A failing worker must not wait for peers: they may be blocked in a collective with it,
-    and only its exit tells them (and tfdp-run, which reports the first failing code).
-    """
-    environ = os.environ if environ is None else environ
-    if environ.get(ORDERLY_EXIT_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return False
-    return not uncaught_exception and exit_code in (None, 0)
-
-
-def _peer_addresses(cluster: ClusterConfig) -> list:
-    """(host, port) of every other worker of the job."""
-    peers = []
-    for rank, address in enumerate(cluster.workers):
-        if rank == cluster.rank:
-            continue
-        host, _, port = address.rpartition(":")
-        peers.append((host.strip("[]"), int(port)))
-    return peers
-
-
-def _wait_until_gone(addresses, timeout_seconds: float) -> list:
-    """Waits until no process listens at ``addresses`` any more; returns those still there.
-
-    A worker's TensorFlow server listens on its TF_CONFIG address for the life of the
-    process, and the operating system closes the socket when the process ends. So: connect,
-    then block reading until the peer closes the connection (process gone; a refused
-    connection means already gone). Event-driven, bounded by ``timeout_seconds`` in all.
-    """
-    deadline = time.monotonic() + timeout_seconds
-    remaining = []
-    for address in addresses:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            remaining.append(address)
-            continue
-        try:
-            conn = socket.create_connection(address, timeout=left)
-        except OSError:
-            continue  # refused or unreachable: nobody there
-        try:
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    remaining.append(address)
-                    break
-                conn.settimeout(left)
-                if not conn.recv(4096):
-                    break  # closed by the peer's exit
-        except socket.timeout:
-            remaining.append(address)
-        except OSError:
-            pass  # reset by the peer's exit
-        finally:
-            conn.close()
-    return remaining
-
-
-class _OrderlyExit:
-    """Process-wide exit handler of multi-worker strategies (see the module docstring)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._cluster = None
-        self._timeout = DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS
-        self._exit_code = None
-
-    def register(self, cluster: ClusterConfig, timeout_seconds):
-        with self._lock:
-            first = self._cluster is None
-            self._cluster = cluster
-            self._timeout = timeout_seconds or DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS
-            if not first:
-                return
-            # sys.exit(code) is the one failing exit the handler could not tell from success
-            # otherwise: SystemExit never reaches sys.excepthook, and atexit handlers do not
-            # see the code. The wrapper only records it.
-            original_exit = sys.exit
-
-            def exit(status=None):  # noqa: A001 (same name as what it wraps)
-                if threading.current_thread() is threading.main_thread():
-                    self._exit_code = status  # elsewhere it only ends that thread
-                original_exit(status)
-
-            exit.__doc__ = original_exit.__doc__
-            exit.__wrapped__ = original_exit
-            sys.exit = exit
-            atexit.register(self._on_exit)
-
-    def _on_exit(self):
-        # An uncaught exception sets sys.last_value before atexit handlers run.
-        failing = getattr(sys, "last_value", None) is not None
-        if not leave_together_at_exit(failing, self._exit_code):
-            return
-        cluster = self._cluster
-        try:
-            if not _tf_private.coordination_service_configured():
-                return
-            _tf_private.wait_at_coordination_barrier(_EXIT_BARRIER_ID, self._timeout)
-        except Exception as e:  # noqa: BLE001 (an exit handler must not raise)
-            reason = (str(e).splitlines() or [""])[0][:200]
-            log.warning("tfdp: orderly exit: the exit barrier failed (a worker died, or did not "
-                        "arrive within %.0f s): %s: %s. Exiting without waiting for the others.",
-                        self._timeout, type(e).__name__, reason)
-            return
-        if cluster.is_chief:
-            left = _wait_until_gone(_peer_addresses(cluster), CHIEF_EXIT_DRAIN_SECONDS)
-            if left:
-                log.info("tfdp: orderly exit: worker(s) at %s still running %.0f s after the "
-                         "exit barrier; the chief exits anyway.",
-                         ", ".join(f"{h}:{p}" for h, p in left), CHIEF_EXIT_DRAIN_SECONDS)
-
-
-_orderly_exit = _OrderlyExit()
-
-
 class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
     """The collective engine with tfdp's choice of local devices.
 
@@ -331,6 +238,8 @@ class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
     def __init__(self, container, cluster_resolver, options, local_device_type,
                  local_device_indices):
         self._tfdp_device_type = local_device_type
+        # The device type whose collective dtype limits apply (collectives.reduce_dtype).
+        self._tfdp_reduce_device_type = local_device_type
         self._tfdp_device_indices = list(local_device_indices)
         super().__init__(container, cluster_resolver=cluster_resolver,
                          communication_options=options)
@@ -358,6 +267,31 @@ class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
                 and kwargs.get("synchronization") != tf.VariableSynchronization.ON_READ):
             kwargs["aggregation"] = tf.VariableAggregation.NONE
         return super()._create_variable(next_creator, **kwargs)
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        # strategy.reduce / extended.reduce_to: dtypes the collectives cannot sum on these
+        # devices (int32 labels on GPUs, bool flags) travel in one they can.
+        dtype = getattr(value.values[0] if isinstance(value, _tf_private.DistributedValues)
+                        else value, "dtype", None)
+        wire = collectives.reduce_dtype(dtype, self._tfdp_reduce_device_type) if dtype else None
+        if wire is None:
+            return super()._reduce_to(reduce_op, value, destinations, options)
+        value = _tf_private.map_distributed(lambda t: tf.cast(t, wire), value)
+        reduced = super()._reduce_to(reduce_op, value, destinations, options)
+        return _tf_private.map_distributed(lambda t: tf.cast(t, dtype), reduced)
+
+    def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+        # ReplicaContext.all_reduce (tfdp's gradient buckets, metrics, custom loops).
+        flat = tf.nest.flatten(value)
+        wires = [collectives.reduce_dtype(t.dtype, self._tfdp_reduce_device_type)
+                 if isinstance(t, tf.Tensor) else None for t in flat]
+        if not any(wires):
+            return super()._replica_ctx_all_reduce(reduce_op, value, options)
+        cast = [t if w is None else tf.cast(t, w) for t, w in zip(flat, wires)]
+        reduced = tf.nest.flatten(super()._replica_ctx_all_reduce(
+            reduce_op, tf.nest.pack_sequence_as(value, cast), options))
+        return tf.nest.pack_sequence_as(value, [r if w is None else tf.cast(r, t.dtype)
+                                                for r, t, w in zip(reduced, flat, wires)])
 
     def _tfdp_all_to_all(self, value, local_index):
         """All-to-all over every replica, with keys from this strategy's own launcher."""
@@ -419,7 +353,13 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             devices = _task_gpu_devices(cluster.task_gpus)
         devices_lib.configure_from_env()
         names, device_type = _resolve_devices(devices)
-        self._tfdp_communication = resolve_communication(communication, device_type)
+        indices = [tf.DeviceSpec.from_string(n).device_index for n in names]
+        _check_compression(compression, device_type)
+        local_gpus = (devices_lib.local_gpu_placements(cluster.rank, indices)
+                      if device_type == "GPU" else [])
+        shared = devices_lib.shared_gpu(local_gpus)
+        self._tfdp_communication = resolve_communication(communication, device_type, shared)
+        _say_shared_gpu_once(communication, shared)
         if timeout_seconds is None and cluster.is_multi_worker:
             timeout_seconds = DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS
         self._tfdp_cluster = cluster
@@ -427,7 +367,8 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         self._tfdp_bucket_bytes = bucket_bytes
         self._tfdp_compression = compression
         self._tfdp_timeout = timeout_seconds
-        _tf_private.set_collective_key_base(self, next(_key_bases) * _KEY_RANGE)
+        self._tfdp_key_base = next(_key_bases) * _KEY_RANGE
+        _tf_private.set_collective_key_base(self, self._tfdp_key_base)
 
         implementation = (tf.distribute.experimental.CommunicationImplementation.NCCL
                           if self._tfdp_communication == "nccl"
@@ -440,7 +381,6 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
                 task_type=cluster.task_type, task_id=cluster.task_index, rpc_layer="grpc")
         else:
             resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(tf.train.ClusterSpec({}))
-        indices = [tf.DeviceSpec.from_string(n).device_index for n in names]
         ready_file = os.environ.get(READY_FILE_ENV)
         if ready_file:
             # Tell tfdp-run this worker is joining: if it never gets further, a peer is
@@ -448,6 +388,7 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             with open(ready_file + ".joining", "w") as f:
                 f.write(f"{cluster.rank}\n")
         collectives.install_keras_gradient_hooks()
+        xla.install_keras_hooks()
         # MultiWorkerMirroredStrategy.__init__ would build its own extended object from
         # TF_CONFIG; the base Strategy constructor takes ours.
         _tf_private.StrategyBase.__init__(
@@ -455,8 +396,13 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         if ready_file:
             with open(ready_file, "w") as f:
                 f.write(f"{cluster.rank}\n")
+        if local_gpus and cluster.is_multi_worker:
+            self._tfdp_check_gpus_across_workers(communication, local_gpus)
         if cluster.is_multi_worker:
-            _orderly_exit.register(cluster, timeout_seconds)
+            orderly_exit.register(cluster, timeout_seconds)
+            # Keras scripts unchanged: only the chief writes files, decisions agree.
+            chief_writes.activate(cluster)
+            consensus.install()
         log.info("tfdp.DataParallelStrategy: %d worker(s) x %d %s replica(s), "
                  "communication=%s, bucket_bytes=%d, compression=%s",
                  cluster.num_workers, len(names), device_type, self._tfdp_communication,
@@ -487,17 +433,32 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     def local_devices(self) -> list:
         return list(self._tfdp_devices)
 
+    def _tfdp_check_gpus_across_workers(self, requested, local_gpus):
+        """Before the first collective: do replicas of different workers share a GPU?"""
+        cluster = self._tfdp_cluster
+        table = devices_lib.exchange_gpu_placements(
+            f"tfdp/gpus/{self._tfdp_key_base}", cluster.rank, cluster.num_workers, local_gpus,
+            self._tfdp_timeout or DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS)
+        shared = devices_lib.shared_gpu(table)
+        chosen = resolve_communication(requested, "GPU", shared)  # every worker: same table
+        _say_shared_gpu_once(requested, shared)
+        if chosen != self._tfdp_communication:
+            # The options object is shared by every collective launcher; none has run yet.
+            _tf_private.communication_options(self.extended).implementation = (
+                tf.distribute.experimental.CommunicationImplementation.RING)
+            self._tfdp_communication = chosen
+
     def run(self, fn, args=(), kwargs=None, options=None):
         """``tf.distribute.Strategy.run``, refusing XLA compilation it cannot survive.
 
         Raises:
             ValueError: naming ``jit_compile``, the reason and the fix, when called while
-                tracing an XLA-compiled function with several CPU replicas (see
-                ``jit_compile_error``); raised at trace time, before any step runs.
+                tracing an XLA-compiled function with several CPU replicas or several
+                local GPUs (see ``jit_compile_error``); raised at trace time.
         """
         if _tf_private.in_xla_context(tf.compat.v1.get_default_graph()):
             message = jit_compile_error(self.extended._tfdp_device_type,
-                                        self.num_replicas_in_sync)
+                                        self.num_replicas_in_sync, len(self._tfdp_devices))
             if message:
                 raise ValueError(message)
         return super().run(fn, args=args, kwargs=kwargs, options=options)

@@ -64,13 +64,14 @@ def csv_rows(records) -> list[dict]:
     return rows
 
 
-def _cell(point) -> str:
+def _cell(point, show_warmup=False) -> str:
     if point is None:
         return "·"
     if point["median_steps"] is None:
         return "missed"
     mark = "" if point["bracketed"] else "†"
-    return f"{point['median_steps']:g} @ {point['lr']:.3g}{mark}"
+    warmup = f", w {point['warmup']:g}" if show_warmup else ""
+    return f"{point['median_steps']:g} @ {point['lr']:.3g}{mark}{warmup}"
 
 
 def _fmt_minutes(seconds: float) -> str:
@@ -110,13 +111,14 @@ def markdown(records) -> str:
              "", "## Compute", "", _compute_line(records), "",
              "## Steps to target", "",
              "Median over seeds of the steps to reach the target at the best learning rate "
-             "(`steps @ lr`; † = best rate at the edge of the rates tried, `missed` = the median "
+             "(`steps @ lr`; † = best rate at the edge of the rates tried; `w` = the best warmup "
+             "fraction where several were tried; `missed` = the median "
              "seed missed the target within the budget at every rate tried, · = not run).", "",
              "| batch | " + " | ".join(data) + " |", "|---:|" + "---:|" * len(data)]
     for b in batches:
         cells = []
         for opt, (bs, points) in data.items():
-            cells.append(_cell(points[bs.index(b)] if b in bs else None))
+            cells.append(_cell(points[bs.index(b)] if b in bs else None, len(warmups) > 1))
         lines.append(f"| {b} | " + " | ".join(cells) + " |")
     lines += ["", "## Regions", "",
               f"Rule: local log-log slope s between consecutive batch sizes; s ≤ "

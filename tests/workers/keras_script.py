@@ -1,0 +1,222 @@
+"""A plain Keras script, run unchanged on several workers (issue 18).
+
+tests/test_keras_script.py starts it through tfdp-run (2 workers) and also calls ``main`` in
+its own process as the one-process reference. Nothing in it knows about workers: the only
+tfdp line is the strategy (and ShardedOptimizer when asked for).
+
+Phases (``KS_PHASES``, comma-separated; each writes under OUT/<phase>/):
+
+* ``fit``: the issue's script: ModelCheckpoint (best ``.keras``, per-epoch ``.weights.h5``,
+  every 3 steps, ``{val_loss}`` in the path), TensorBoard, CSVLogger, EarlyStopping,
+  ReduceLROnPlateau, TerminateOnNaN, Keras's BackupAndRestore; ``fit`` with validation data and
+  ``verbose=2``; then ``model.save``, ``save_weights``, ``export``, ``evaluate``, ``predict``.
+* ``early_stop``: EarlyStopping(patience=1) and ReduceLROnPlateau(patience=0) on a validation
+  loss that rises.
+* ``nan``: one training sample is NaN, so one worker's local loss is NaN at one step;
+  TerminateOnNaN.
+* ``local_stop``: a callback that stops training on the last worker only.
+* ``ctl``: a custom training loop with tf.train.CheckpointManager and tf.summary (the
+  TensorFlow tutorial's pattern, without its hand-made chief/temporary-directory code).
+
+Each worker writes what the test compares to OUT/records/rank<R>.json (its logs, epochs,
+learning rates, pid) and OUT/records/rank<R>-<phase>.npz (predictions, weights), with plain
+``open``/``numpy`` writes that tfdp leaves alone. Env: TFDP_TEST_OUT, KS_PHASES, KS_OPT
+(adam | sharded_adam), KS_EPOCHS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import keras  # noqa: E402
+
+import tfdp  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import classification_data, initial_weights, mlp  # noqa: E402
+
+GLOBAL_BATCH = 32
+PROBE = classification_data(n=256)[0][:16]
+
+
+def _optimizer(name):
+    if name == "sharded_adam":
+        return tfdp.ShardedOptimizer(keras.optimizers.Adam(0.01))
+    return keras.optimizers.Adam(0.01)
+
+
+def _compiled_model(strategy, opt_name):
+    with strategy.scope():
+        model = mlp()
+        model.set_weights(initial_weights(mlp))
+        model.compile(optimizer=_optimizer(opt_name),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    return model
+
+
+class _Recorder(keras.callbacks.Callback):
+    """This worker's view of every epoch: the logs its callbacks decided on."""
+
+    def __init__(self, record):
+        super().__init__()
+        self.record = record
+        record.update(epochs=[], logs=[], lr=[], batches=0)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.record["batches"] += 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.record["epochs"].append(epoch)
+        self.record["logs"].append({k: float(v) for k, v in (logs or {}).items()})
+        self.record["lr"].append(float(keras.ops.convert_to_numpy(
+            self.model.optimizer.learning_rate)))
+
+
+def _datasets(y_val=None, x=None):
+    xs, ys = classification_data(n=256)
+    if x is not None:
+        xs = x
+    xv, yv = classification_data(n=64, seed=1)
+    train = tf.data.Dataset.from_tensor_slices((xs, ys)).batch(GLOBAL_BATCH)
+    if y_val is not None:  # validation on the training inputs with wrong labels: rises
+        xv, yv = xs, y_val
+    val = tf.data.Dataset.from_tensor_slices((xv, yv)).batch(GLOBAL_BATCH)
+    return train, val
+
+
+def phase_fit(strategy, out, opt_name, epochs, record, arrays):
+    """The issue's script, unchanged but for the paths."""
+    model = _compiled_model(strategy, opt_name)
+    train, val = _datasets()
+    cbs = [keras.callbacks.ModelCheckpoint(out + "/ckpt/best.keras", save_best_only=True,
+                                           monitor="val_loss"),
+           keras.callbacks.ModelCheckpoint(out + "/ckpt/w-{epoch:02d}.weights.h5",
+                                           save_weights_only=True),
+           keras.callbacks.ModelCheckpoint(out + "/ckpt/steps/s-{epoch:02d}-{batch:02d}.weights.h5",
+                                           save_weights_only=True, save_freq=3),
+           keras.callbacks.ModelCheckpoint(out + "/ckpt/m-{epoch:02d}-{val_loss:.3f}.keras"),
+           keras.callbacks.TensorBoard(out + "/tb"),
+           keras.callbacks.CSVLogger(out + "/log.csv"),
+           keras.callbacks.EarlyStopping(patience=3),
+           keras.callbacks.ReduceLROnPlateau(),
+           keras.callbacks.TerminateOnNaN(),
+           keras.callbacks.BackupAndRestore(out + "/backup", delete_checkpoint=False),
+           _Recorder(record)]
+    model.fit(train, validation_data=val, epochs=epochs, callbacks=cbs, verbose=2)
+    model.save(out + "/final.keras")
+    model.save_weights(out + "/final.weights.h5")
+    model.export(out + "/export", verbose=False)
+    record["evaluate"] = {k: float(v) for k, v in
+                          model.evaluate(val, verbose=0, return_dict=True).items()}
+    arrays["pred"] = model.predict(PROBE, verbose=0)
+
+
+def phase_early_stop(strategy, out, opt_name, epochs, record, arrays):
+    model = _compiled_model(strategy, opt_name)
+    _, y = classification_data(n=256)
+    train, val = _datasets(y_val=(y + 1) % 3)
+    cbs = [keras.callbacks.EarlyStopping(patience=1),
+           keras.callbacks.ReduceLROnPlateau(patience=0, factor=0.5, min_delta=0.0),
+           _Recorder(record)]
+    model.fit(train, validation_data=val, epochs=10, callbacks=cbs, verbose=0)
+
+
+def phase_nan(strategy, out, opt_name, epochs, record, arrays):
+    model = _compiled_model(strategy, opt_name)
+    x, _ = classification_data(n=256)
+    x = x.copy()
+    x[GLOBAL_BATCH + 3, 0] = np.nan  # one sample of the second step: one worker sees it
+    train, _ = _datasets(x=x)
+    model.fit(train, epochs=2, callbacks=[keras.callbacks.TerminateOnNaN(), _Recorder(record)],
+              verbose=0)
+
+
+class _StopOnLastWorker(keras.callbacks.Callback):
+    """A worker-local decision (a wall-clock limit, say): only the last worker stops."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        cluster = getattr(self.model.distribute_strategy, "cluster", None)
+        if cluster is not None and cluster.rank == cluster.num_workers - 1:
+            self.model.stop_training = True
+
+
+def phase_local_stop(strategy, out, opt_name, epochs, record, arrays):
+    model = _compiled_model(strategy, opt_name)
+    train, _ = _datasets()
+    model.fit(train, epochs=3, callbacks=[_StopOnLastWorker(), _Recorder(record)], verbose=0)
+
+
+def phase_ctl(strategy, out, opt_name, epochs, record, arrays):
+    """TensorFlow's custom-training-loop tutorial, saving and summaries as in one process."""
+    with strategy.scope():
+        model = mlp()
+        model.set_weights(initial_weights(mlp))
+        optimizer = keras.optimizers.Adam(0.01)
+        checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    manager = tf.train.CheckpointManager(checkpoint, out + "/ckpt", max_to_keep=2)
+    writer = tf.summary.create_file_writer(out + "/tb")
+    train, _ = _datasets()
+    dist = strategy.experimental_distribute_dataset(train)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    @tf.function
+    def train_step(x, y):
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(loss_fn(y, model(x, training=True)),
+                                                  global_batch_size=GLOBAL_BATCH)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        return strategy.reduce("SUM", strategy.run(step, args=(x, y)), axis=None)
+
+    record["saved"] = []
+    for epoch in range(3):
+        losses = [float(train_step(x, y)) for x, y in dist]
+        with writer.as_default():
+            tf.summary.scalar("loss", sum(losses) / len(losses), step=epoch)
+        record["saved"].append(manager.save())
+    writer.close()
+    record["latest"] = manager.latest_checkpoint
+    record["checkpoints"] = list(manager.checkpoints)
+    for i, w in enumerate(model.get_weights()):
+        arrays[f"w{i}"] = w
+    arrays["iterations"] = np.asarray(int(optimizer.iterations))
+
+
+PHASES = {"fit": phase_fit, "early_stop": phase_early_stop, "nan": phase_nan,
+          "local_stop": phase_local_stop, "ctl": phase_ctl}
+
+
+def main(out, phases, opt_name="adam", epochs=5, strategy=None):
+    """Runs ``phases`` under ``strategy`` (default: tfdp.DataParallelStrategy()); returns the
+    records and arrays of this worker (also written to OUT/records/)."""
+    strategy = strategy or tfdp.DataParallelStrategy()
+    cluster = strategy.cluster
+    records = {"pid": os.getpid(), "rank": cluster.rank,
+               "replicas": strategy.num_replicas_in_sync}
+    os.makedirs(os.path.join(out, "records"), exist_ok=True)
+    all_arrays = {}
+    for phase in phases:
+        record, arrays = {}, {}
+        PHASES[phase](strategy, os.path.join(out, phase), opt_name, epochs, record, arrays)
+        records[phase] = record
+        all_arrays[phase] = arrays
+        if arrays:
+            np.savez(os.path.join(out, "records", f"rank{cluster.rank}-{phase}.npz"), **arrays)
+    with open(os.path.join(out, "records", f"rank{cluster.rank}.json"), "w") as f:
+        json.dump(records, f)
+    print(f"rank {cluster.rank}: done", flush=True)
+    return records, all_arrays
+
+
+if __name__ == "__main__":
+    main(os.environ["TFDP_TEST_OUT"], os.environ.get("KS_PHASES", "fit").split(","),
+         os.environ.get("KS_OPT", "adam"), int(os.environ.get("KS_EPOCHS", "5")))

@@ -1,0 +1,123 @@
+"""One input pipeline: the worker's stream of elements for an epoch, batched per replica.
+
+Rules:
+
+* FILE (a ``Files``): worker w opens files w, w+W, ... (shuffled per epoch after the shard,
+  so the file->worker assignment and the steps per epoch stay fixed); FILE (a native
+  pipeline): TensorFlow's FILE rewrite for pipeline w; DATA: shuffle with the shared seed, skip,
+  then keep elements w, w+W, ...; records are skipped before they are parsed.
+* Within a worker each of the L local replicas takes consecutive batches of b elements; with
+  ``drop_remainder`` only whole local steps (L full batches) are kept. An input function's
+  per-replica batches are not batched again.
+* tfdp shards by itself, so TensorFlow's auto-shard is turned off for every pipeline.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tfdp.data import graph as graph_lib
+from tfdp.data.errors import DataShardingError
+
+
+class WorkerStream:
+    """``stream(ctx)``: this input pipeline's elements of one epoch, re-planned per iterator.
+
+    Args:
+        plan: the ``Plan``.
+        state: the ``EpochState`` (seed of the epoch and elements to skip).
+        shuffle_buffer: the shuffle buffer, None for no shuffling.
+        global_batch_size: examples per global step.
+        per_replica: examples per replica per step.
+    """
+
+    def __init__(self, plan, state, shuffle_buffer, global_batch_size, per_replica):
+        self.plan, self.state, self.shuffle_buffer = plan, state, shuffle_buffer
+        self.global_batch_size, self.per_replica = global_batch_size, per_replica
+        self.function_counts = []   # the input function's cardinality per pipeline
+        self._native_shards = {}
+
+    def __call__(self, ctx: tf.distribute.InputContext) -> tf.data.Dataset:
+        w, num_pipelines = ctx.input_pipeline_id, ctx.num_input_pipelines
+        source_ds = self._source(ctx)
+        # range(1).flat_map re-runs `epoch` for every new iterator, so the epoch's seed and
+        # start step are read when the iterator starts; within the epoch they are fixed.
+        return tf.data.Dataset.range(1).flat_map(
+            lambda _: self._epoch(self.state.tensor(), source_ds, w, num_pipelines))
+
+    def _source(self, ctx):
+        """The dataset this pipeline reads (None for ``Files``: opened per epoch)."""
+        plan = self.plan
+        if plan.kind == "function":
+            source_ds = plan.source(ctx)
+            if not isinstance(source_ds, tf.data.Dataset):
+                raise DataShardingError(f"the input function returned a "
+                                        f"{type(source_ds).__name__}, not a tf.data.Dataset.")
+            plan.batched_per_replica = graph_lib.returns_per_replica_batches(
+                source_ds, self.global_batch_size, self.per_replica)
+            if plan.batched_per_replica:  # a step takes L of the function's batches
+                self.state.elements_per_step = max(
+                    1, ctx.num_replicas_in_sync // ctx.num_input_pipelines)
+            card = int(source_ds.cardinality())
+            self.function_counts.append(card if card >= 0 else None)
+            return source_ds
+        w, num_pipelines = ctx.input_pipeline_id, ctx.num_input_pipelines
+        if plan.native_files and num_pipelines > 1:
+            if w not in self._native_shards:  # the rewrite runs here, eagerly: errors surface now
+                self._native_shards[w] = graph_lib.file_shard(plan.source, num_pipelines, w)
+            return self._native_shards[w]
+        return plan.source
+
+    def _epoch(self, state_tensor, source_ds, w, num_pipelines):
+        plan, shuffle_buffer = self.plan, self.shuffle_buffer
+        epoch_seed, skip = state_tensor[0], state_tensor[1]
+        if plan.kind == "files":
+            names = tf.data.Dataset.from_tensor_slices(plan.files)
+            if plan.policy == "file":
+                # Shard first: a fixed file->worker assignment keeps the steps per epoch
+                # fixed; the order of a worker's files still changes per epoch.
+                names = names.shard(num_pipelines, w)
+                if shuffle_buffer:
+                    names = names.shuffle(len(plan.files), seed=epoch_seed,
+                                          reshuffle_each_iteration=False)
+            ds, salt = plan.source.open(names), 1
+        else:
+            ds, salt = source_ds, 0
+        if shuffle_buffer:
+            ds = ds.shuffle(shuffle_buffer, seed=epoch_seed + salt, reshuffle_each_iteration=False)
+        ds = ds.skip(skip)  # raw records: the skip never parses
+        if plan.policy == "data":
+            ds = ds.shard(num_pipelines, w)
+        if plan.kind == "files" and plan.source.parse_fn is not None:
+            ds = ds.map(plan.source.parse_fn, num_parallel_calls=tf.data.AUTOTUNE,
+                        deterministic=True)
+        return ds
+
+
+def batch_per_replica(ds, plan, per_replica, local_replicas, drop_remainder):
+    """Per-replica batches of ``per_replica`` elements; ``drop_remainder``: whole local steps."""
+    if plan.batched_per_replica:
+        if drop_remainder:
+            return ds.batch(local_replicas, drop_remainder=True).unbatch()
+        return ds
+    if drop_remainder:
+        # Only whole local steps: L full per-replica batches at a time.
+        return ds.batch(per_replica, drop_remainder=True).batch(
+            local_replicas, drop_remainder=True).unbatch()
+    return ds.batch(per_replica, drop_remainder=False)
+
+
+def make_dataset_fn(stream, plan, per_replica, drop_remainder, prefetch):
+    """The function ``strategy.distribute_datasets_from_function`` calls per input pipeline."""
+
+    def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
+        ds = stream(ctx)
+        local = max(1, ctx.num_replicas_in_sync // ctx.num_input_pipelines)
+        ds = batch_per_replica(ds, plan, per_replica, local, drop_remainder)
+        options = tf.data.Options()
+        # tfdp shards by itself; TensorFlow must not shard again (or fail trying).
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        ds = ds.with_options(options)
+        return ds.prefetch(tf.data.AUTOTUNE) if prefetch else ds
+
+    return dataset_fn

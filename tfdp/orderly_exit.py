@@ -1,0 +1,182 @@
+"""The workers of a multi-worker job leave together.
+
+Rule. At interpreter exit, unless the process is failing (an uncaught exception, or a non-zero
+``sys.exit``), every worker waits at one coordination-service barrier (at most the strategy's
+collective timeout; it fails as soon as the service finds a peer dead), then the chief, whose
+process hosts the service, waits until the other workers' processes are gone (at most
+``CHIEF_EXIT_DRAIN_SECONDS``) before it exits. Failing exits never wait and keep their exit
+code; a handler that cannot complete logs one warning and lets the process exit.
+``TFDP_ORDERLY_EXIT=0`` (``tfdp.protocol.ORDERLY_EXIT_ENV``) turns it off.
+
+Why. TensorFlow's coordination service, which every worker heartbeats to, runs in the chief's
+process, and TensorFlow has no multi-worker shutdown: a worker still running when the chief
+exits logs heartbeat errors (``Failed to connect to remote host``), and a chief still running
+~10 s after the others exited logs them as crashed. ``DataParallelStrategy`` registers the
+handler (``register``) when the first multi-worker strategy is built.
+
+Pure Python apart from the barrier, which goes through ``tfdp._tf_private``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+
+from tfdp.cluster import ClusterConfig
+from tfdp.protocol import ORDERLY_EXIT_ENV
+
+__all__ = ["register", "leave_together_at_exit", "ORDERLY_EXIT_ENV", "CHIEF_EXIT_DRAIN_SECONDS"]
+
+log = logging.getLogger("tfdp")
+
+# After the exit barrier the other workers need about 1 s (measured: Python and TensorFlow
+# teardown) to be gone; the chief waits at most this long for them. Well below the
+# coordination service's 10 s heartbeat timeout, after which the chief's service would
+# report the departed workers as crashed.
+CHIEF_EXIT_DRAIN_SECONDS = 5.0
+_EXIT_BARRIER_ID = "tfdp/orderly-exit"
+
+
+def leave_together_at_exit(uncaught_exception: bool, exit_code, environ=None) -> bool:
+    """Whether this worker should take part in the orderly exit; pure policy.
+
+    Args:
+        uncaught_exception: the interpreter is exiting because of an uncaught exception.
+        exit_code: the argument of ``sys.exit`` if it was called (None otherwise). ``None``
+            and ``0`` mean success, anything else (a non-zero int, a message) failure.
+        environ: the environment (default ``os.environ``); ``TFDP_ORDERLY_EXIT=0`` opts out.
+
+    A failing worker must not wait for peers: they may be blocked in a collective with it,
+    and only its exit tells them (and tfdp-run, which reports the first failing code).
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get(ORDERLY_EXIT_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return not uncaught_exception and exit_code in (None, 0)
+
+
+def _peer_addresses(cluster: ClusterConfig) -> list:
+    """(host, port) of every other worker of the job."""
+    peers = []
+    for rank, address in enumerate(cluster.workers):
+        if rank == cluster.rank:
+            continue
+        host, _, port = address.rpartition(":")
+        peers.append((host.strip("[]"), int(port)))
+    return peers
+
+
+def _wait_until_gone(addresses, timeout_seconds: float) -> list:
+    """Waits until no process listens at ``addresses`` any more; returns those still there.
+
+    A worker's TensorFlow server listens on its TF_CONFIG address for the life of the
+    process, and the operating system closes the socket when the process ends. So: connect,
+    then block reading until the peer closes the connection (process gone; a refused
+    connection means already gone). Event-driven, bounded by ``timeout_seconds`` in all.
+    """
+    deadline = time.monotonic() + timeout_seconds
+    remaining = []
+    for address in addresses:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            remaining.append(address)
+            continue
+        try:
+            conn = socket.create_connection(address, timeout=left)
+        except OSError:
+            continue  # refused or unreachable: nobody there
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    remaining.append(address)
+                    break
+                conn.settimeout(left)
+                if not conn.recv(4096):
+                    break  # closed by the peer's exit
+        except socket.timeout:
+            remaining.append(address)
+        except OSError:
+            pass  # reset by the peer's exit
+        finally:
+            conn.close()
+    return remaining
+
+
+class _OrderlyExit:
+    """Process-wide exit handler of multi-worker strategies (see the module docstring)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._cluster = None
+        self._timeout = None
+        self._exit_code = None
+
+    def register(self, cluster: ClusterConfig, timeout_seconds: float):
+        with self._lock:
+            first = self._cluster is None
+            self._cluster = cluster
+            self._timeout = timeout_seconds
+            if not first:
+                return
+            # sys.exit(code) is the one failing exit the handler could not tell from success
+            # otherwise: SystemExit never reaches sys.excepthook, and atexit handlers do not
+            # see the code. The wrapper only records it.
+            original_exit = sys.exit
+
+            def exit(status=None):  # noqa: A001 (same name as what it wraps)
+                if threading.current_thread() is threading.main_thread():
+                    self._exit_code = status  # elsewhere it only ends that thread
+                original_exit(status)
+
+            exit.__doc__ = original_exit.__doc__
+            exit.__wrapped__ = original_exit
+            sys.exit = exit
+            atexit.register(self._on_exit)
+
+    def _on_exit(self):
+        from tfdp import _tf_private
+
+        # An uncaught exception sets sys.last_value before atexit handlers run.
+        failing = getattr(sys, "last_value", None) is not None
+        if not leave_together_at_exit(failing, self._exit_code):
+            return
+        cluster = self._cluster
+        try:
+            if not _tf_private.coordination_service_configured():
+                return
+            _tf_private.wait_at_coordination_barrier(_EXIT_BARRIER_ID, self._timeout)
+        except Exception as e:  # noqa: BLE001 (an exit handler must not raise)
+            reason = (str(e).splitlines() or [""])[0][:200]
+            log.warning("tfdp: orderly exit: the exit barrier failed (a worker died, or did not "
+                        "arrive within %.0f s): %s: %s. Exiting without waiting for the others.",
+                        self._timeout, type(e).__name__, reason)
+            return
+        if cluster.is_chief:
+            left = _wait_until_gone(_peer_addresses(cluster), CHIEF_EXIT_DRAIN_SECONDS)
+            if left:
+                log.info("tfdp: orderly exit: worker(s) at %s still running %.0f s after the "
+                         "exit barrier; the chief exits anyway.",
+                         ", ".join(f"{h}:{p}" for h, p in left), CHIEF_EXIT_DRAIN_SECONDS)
+
+
+_orderly_exit = _OrderlyExit()
+
+
+def register(cluster: ClusterConfig, timeout_seconds: float) -> None:
+    """Makes this process leave together with the other workers of ``cluster``.
+
+    Args:
+        cluster: the job's cluster (several workers).
+        timeout_seconds: how long the exit barrier waits for the others (the strategy's
+            collective timeout).
+    """
+    if not timeout_seconds or timeout_seconds <= 0:
+        raise ValueError(f"timeout_seconds={timeout_seconds!r}: the exit barrier needs a "
+                         "positive bound.")
+    _orderly_exit.register(cluster, float(timeout_seconds))

@@ -1,0 +1,353 @@
+"""XLA under a tfdp strategy: each replica's forward/backward compiled, reduction outside.
+
+Rule. With ``model.compile(jit_compile=True)`` (or ``"auto"`` resolved to True) and more
+than one replica in sync, a training step is split in two, inside every replica:
+
+1. one XLA-compiled function computes the forward pass, the loss, the gradients and the
+   metric updates. It takes the replica's variable values as arguments and returns the
+   gradients and the new values of the state it updated (metrics, BatchNorm statistics,
+   seed generators): it reads no variable, so it never touches another replica's (XLA's
+   "Trying to access resource .../replica_1/... located in device GPU:1" with several GPUs
+   in one process), and it holds no collective (which XLA cannot compile across CPU
+   replicas, nor across several GPUs in one process);
+2. outside it, in the same replica, the new state values are assigned and the optimizer
+   applies the gradients: the reduction (buckets, compression, ShardedOptimizer's
+   reduce-scatter), clipping, gradient accumulation and the update run exactly as without
+   XLA.
+
+Evaluation steps are split the same way (compiled forward, loss and metrics). With one
+replica in sync, Keras compiles the whole step as it does without a strategy (it holds no
+collective). A model that overrides ``train_step``/``test_step`` cannot be split: its step runs
+without XLA (one warning); inside a custom ``train_step`` or a custom loop,
+``tfdp.compile_gradients`` gives the same per-replica compilation. ``jit_compile=False``
+turns all of it off.
+
+``jit_compile="auto"`` resolves as Keras would on one device (``resolve_auto_jit_compile``):
+True on GPU replicas when every layer supports XLA and op determinism is off, False on CPUs
+(Keras turns XLA off on CPU-only hosts); Keras itself resolves it to False under any
+tf.distribute strategy.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+
+import keras
+import tensorflow as tf
+
+from tfdp import _tf_private
+
+__all__ = ["compile_gradients", "CompiledGradients", "compiled_train_step",
+           "resolve_auto_jit_compile", "step_plan", "install_keras_hooks", "STEP_PLANS"]
+
+log = logging.getLogger("tfdp")
+
+# What a Keras step does under tfdp (step_plan): Keras's own step (no XLA, or XLA around the
+# whole step of one replica), tfdp's split step, or Keras's step without XLA.
+STEP_PLANS = ("keras", "split", "no_xla")
+
+
+def resolve_auto_jit_compile(device_type: str, model_supports_jit: bool,
+                             num_replicas_in_sync: int = 1, keras_step: bool = True) -> bool:
+    """What ``jit_compile="auto"`` means under a tfdp strategy; pure policy.
+
+    As Keras decides on one device: XLA on GPU replicas when the model supports it (every
+    layer XLA-capable, op determinism off: Keras's ``model_supports_jit``), never on CPUs
+    (Keras turns XLA off on CPU-only hosts) or TPUs (tf.distribute's TPU path is not tfdp's).
+    A model with its own ``train_step``/``test_step`` and several replicas cannot be split
+    (see the module docstring), so "auto" leaves XLA off for it.
+
+    Args:
+        device_type: ``"GPU"``, ``"CPU"`` or ``"TPU"``, the type of the local replicas.
+        model_supports_jit: Keras's verdict for the model.
+        num_replicas_in_sync: replicas over all workers.
+        keras_step: the model uses Keras's own ``train_step`` and ``test_step``.
+    """
+    if device_type != "GPU" or not model_supports_jit:
+        return False
+    return num_replicas_in_sync == 1 or keras_step
+
+
+def step_plan(jit_compile: bool, num_replicas_in_sync: int, keras_step: bool) -> str:
+    """How a Keras train/test step runs under a tfdp strategy; pure policy.
+
+    Returns one of ``STEP_PLANS``: ``"keras"`` (Keras's own step: without XLA, or compiled
+    whole when one replica holds no collective), ``"split"`` (per-replica compiled
+    forward/backward, reduction and update outside) or ``"no_xla"`` (an overridden step with
+    several replicas: Keras's step without XLA).
+    """
+    if not jit_compile or num_replicas_in_sync == 1:
+        return "keras"
+    return "split" if keras_step else "no_xla"
+
+
+class CompiledGradients:
+    """``fn``'s value and its gradients, computed by one compiled function per replica.
+
+    Made by ``compile_gradients``; call it with ``fn``'s arguments inside ``strategy.run``
+    (or anywhere: without a strategy it is one device). Each call reads the current
+    replica's values of ``variables`` and ``state_variables``, runs ``fn`` on them inside
+    ``tf.function(jit_compile=...)`` under a ``keras.StatelessScope`` (so the compiled code
+    reads no variable), assigns the new values of the state variables ``fn`` updated, and
+    returns ``(value, gradients)``.
+
+    Attributes:
+        function: the ``tf.function`` that is compiled (its
+            ``experimental_get_compiler_ir`` shows the XLA program).
+    """
+
+    def __init__(self, fn, variables, state_variables=(), has_aux=False, jit_compile=True):
+        self.fn = fn
+        self.variables = _keras_variables(variables, "variables")
+        self.state_variables = _keras_variables(state_variables, "state_variables")
+        self.has_aux = has_aux
+        self.function = tf.function(self._stateless, jit_compile=jit_compile,
+                                    reduce_retracing=True)
+
+    def _stateless(self, values, state_values, args, kwargs):
+        mapping = (list(zip(self.variables, values))
+                   + list(zip(self.state_variables, state_values)))
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(values)
+            with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+                before = [scope.get_current_value(v) for v in self.state_variables]
+                out = self.fn(*args, **kwargs)
+        loss = out[0] if self.has_aux else out
+        grads = tape.gradient(loss, values) if values else []
+        updated = []
+        for variable, old in zip(self.state_variables, before):
+            new = scope.get_current_value(variable)
+            updated.append(None if new is old else tf.cast(new, old.dtype))
+        return out, grads, updated
+
+    def __call__(self, *args, **kwargs):
+        values = [_read(v) for v in self.variables]
+        state_values = [_read(v) for v in self.state_variables]
+        out, grads, updated = self.function(values, state_values, args, kwargs)
+        for variable, new in zip(self.state_variables, updated):
+            if new is not None:
+                variable.assign(new)
+        return out, list(grads)
+
+
+def compile_gradients(fn, variables, state_variables=(), has_aux=False, jit_compile=True):
+    """XLA-compiles ``fn`` and its gradients per replica, for custom training loops.
+
+    ``fn(*args, **kwargs)`` returns a scalar loss (or ``(loss, aux)`` with ``has_aux=True``)
+    computed from Keras variables. The returned callable computes ``(value, gradients)``,
+    the gradients being those of the loss with respect to ``variables`` (None where it does
+    not depend on one), with ``fn``'s forward and backward pass compiled by XLA as one
+    function that takes the variables' values as arguments: it reads no variable and holds
+    no collective, so it works under a tfdp strategy with any number of replicas (CPU or
+    GPU, one process or several workers). Reduce and apply the gradients outside it, with
+    the optimizer, as usual::
+
+        grad_fn = tfdp.compile_gradients(
+            loss_fn, model.trainable_variables,
+            state_variables=model.non_trainable_variables)
+
+        @tf.function
+        def train_step(batch):
+            def replica_step(batch):
+                loss, grads = grad_fn(batch)
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+                return loss
+            return strategy.run(replica_step, args=(batch,))
+
+    Args:
+        fn: the loss function. It may call Keras models and layers and update Keras
+            variables (``BatchNormalization`` statistics, seed generators, metrics); those
+            variables must be in ``variables`` or ``state_variables``.
+        variables: the Keras variables to differentiate with respect to.
+        state_variables: other Keras variables ``fn`` reads or updates; their new values
+            are assigned after the compiled call (in the replica that made the call).
+        has_aux: ``fn`` returns ``(loss, aux)``; the value returned is then that pair.
+        jit_compile: False runs the same function without XLA.
+
+    Returns:
+        A ``CompiledGradients``: call it with ``fn``'s arguments.
+    """
+    return CompiledGradients(fn, variables, state_variables, has_aux, jit_compile)
+
+
+def _keras_variables(variables, name):
+    variables = list(variables)
+    for v in variables:
+        if not isinstance(v, keras.Variable):
+            raise TypeError(
+                f"compile_gradients: {name} must be Keras variables (keras.Variable, e.g. "
+                f"model.trainable_variables), got {type(v).__name__}: the compiled function "
+                "receives their values through a keras.StatelessScope. Pass a plain "
+                "tf.Variable's value to fn as an argument instead.")
+    return variables
+
+
+def _read(variable):
+    # In a replica context this reads the replica's own component, on its device.
+    return tf.convert_to_tensor(variable.value)
+
+
+# --- Keras's fit/evaluate --------------------------------------------------------------------
+
+def _batch_size(x):
+    return tf.shape(next(i for i in tf.nest.flatten(x) if i is not None))[0]
+
+
+def _call_model(model, x, training):
+    if _tf_private.keras_call_has_training_arg(model):
+        return model(x, training=training)
+    return model(x)
+
+
+# model -> the CompiledGradients of its current split train step (see compiled_train_step).
+_compiled_steps = weakref.WeakKeyDictionary()
+
+
+def compiled_train_step(model):
+    """The ``CompiledGradients`` behind ``model``'s split train step, or None (the step is
+    not split: see ``step_plan``). Its ``function.experimental_get_compiler_ir`` shows XLA's
+    program."""
+    return _compiled_steps.get(model)
+
+
+def _train_step(model):
+    """tfdp's split train step for ``model`` (Keras's TensorFlow train_step, same order of
+    loss, loss tracker and metrics)."""
+
+    def forward_backward(data, loss_scale):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred = _call_model(model, x, training=True)
+        loss = _tf_private.keras_compute_loss(model, x, y, y_pred, sample_weight, training=True)
+        _tf_private.keras_loss_tracker(model).update_state(
+            _tf_private.unscale_loss_for_distribution(loss), sample_weight=_batch_size(x))
+        logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return loss * tf.cast(loss_scale, loss.dtype), logs
+
+    trainable = list(model.trainable_variables)
+    compiled = CompiledGradients(
+        forward_backward, trainable,
+        list(model.non_trainable_variables) + list(model.metrics_variables), has_aux=True)
+    _compiled_steps[model] = compiled
+
+    def train_step(data):
+        # The optimizer's loss scale (LossScaleOptimizer's dynamic scale is a variable) is
+        # read here and passed in: loss * (1 * s) == loss * s exactly.
+        optimizer = model.optimizer
+        loss_scale = (optimizer.scale_loss(tf.constant(1.0)) if optimizer is not None
+                      else tf.constant(1.0))
+        (_, logs), grads = compiled(data, loss_scale)
+        if trainable:
+            optimizer.apply_gradients(zip(grads, trainable))
+        else:
+            log.warning("tfdp: the model does not have any trainable weights.")
+        return logs
+
+    return train_step
+
+
+def _test_step(model):
+    """tfdp's split test step: compiled forward, loss and metrics."""
+
+    def forward(data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred = _call_model(model, x, training=False)
+        loss = _tf_private.keras_compute_loss(model, x, y, y_pred, sample_weight, training=False)
+        _tf_private.keras_loss_tracker(model).update_state(
+            _tf_private.unscale_loss_for_distribution(loss), sample_weight=_batch_size(x))
+        return tf.constant(0.0), model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    compiled = CompiledGradients(
+        forward, [], list(model.variables) + list(model.metrics_variables), has_aux=True)
+
+    def test_step(data):
+        (_, logs), _ = compiled(data)
+        return logs
+
+    return test_step
+
+
+def _tfdp_strategy_of(model):
+    strategy = model.distribute_strategy
+    return strategy if getattr(strategy, "_is_tfdp_strategy", False) else None
+
+
+def _keras_step(model, name) -> bool:
+    return getattr(type(model), name) is getattr(keras.Model, name)
+
+
+_warned = set()
+_warn_lock = threading.Lock()
+
+
+def _warn_once(key, message, *args):
+    with _warn_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    log.warning(message, *args)
+
+
+def _make_step_function(model, kind, original, force):
+    """The patched make_train_function / make_test_function body."""
+    strategy = _tfdp_strategy_of(model)
+    attribute = f"{kind}_function"
+    if strategy is None:
+        return original(model, force)
+    plan = step_plan(bool(model.jit_compile), strategy.num_replicas_in_sync,
+                     _keras_step(model, f"{kind}_step"))
+    if plan == "keras":
+        return original(model, force)
+    if getattr(model, attribute) is not None and not force:
+        return getattr(model, attribute)
+    if plan == "no_xla":
+        _warn_once((type(model), kind),
+                   "tfdp: %s overrides %s_step, which tfdp cannot split into a compiled "
+                   "per-replica part and the cross-replica reduction, so it runs without XLA "
+                   "(jit_compile=True would compile the collectives). Use "
+                   "tfdp.compile_gradients inside it for XLA.", type(model).__name__, kind)
+    step = None
+    if plan == "split":
+        step = _train_step(model) if kind == "train" else _test_step(model)
+    jit_compile = model.jit_compile
+    model.jit_compile = False  # the outer, distributed step is not compiled
+    try:
+        if step is None:
+            original(model, True)
+        else:
+            setattr(model, attribute, _tf_private.keras_make_step_function(model, step))
+    finally:
+        model.jit_compile = jit_compile
+    return getattr(model, attribute)
+
+
+def install_keras_hooks():
+    """Installs tfdp's XLA handling into Keras (idempotent; called by DataParallelStrategy).
+
+    Under any other strategy, or none, Keras behaves exactly as before.
+    """
+
+    def make_resolve(original):
+        def _resolve_auto_jit_compile(self):
+            strategy = _tfdp_strategy_of(self)
+            if strategy is None:
+                return original(self)
+            return resolve_auto_jit_compile(
+                strategy.extended._tfdp_device_type,  # noqa: SLF001 (tfdp's own)
+                _tf_private.keras_model_supports_jit(self), strategy.num_replicas_in_sync,
+                _keras_step(self, "train_step") and _keras_step(self, "test_step"))
+        return _resolve_auto_jit_compile
+
+    def make_train(original):
+        def make_train_function(self, force=False):
+            return _make_step_function(self, "train", original, force)
+        return make_train_function
+
+    def make_test(original):
+        def make_test_function(self, force=False):
+            return _make_step_function(self, "test", original, force)
+        return make_test_function
+
+    _tf_private.patch_keras_auto_jit_compile(make_resolve)
+    _tf_private.patch_keras_step_functions(make_train, make_test)
