@@ -601,6 +601,6 @@ def test_sagemaker_hosts_train(tmp_path):
     hosts = ["127.0.0.1", "localhost"]  # two names for this machine, as algo-1, algo-2
     outputs = run_two(tmp_path, [{"SM_HOSTS": json.dumps(hosts), "SM_CURRENT_HOST": h,
                                   "TFDP_PORT_BASE": str(base)} for h in hosts])
-    assert f"rank 0: source=SM_HOSTS workers=2 replicas=1 address=127.0.0.1:{base}" in outputs[0]
-    assert f"rank 1: source=SM_HOSTS workers=2 replicas=1 address=localhost:{base + 1}" in outputs[1]
+    assert f"rank 0: source=SM_HOSTS workers=2 replicas=2 address=127.0.0.1:{base}" in outputs[0]
+    assert f"rank 1: source=SM_HOSTS workers=2 replicas=2 address=localhost:{base + 1}" in outputs[1]
     assert_trained_like_one_device(tmp_path)
