@@ -19,7 +19,7 @@ from tfdp import _tf_private
 from tfdp.callbacks import _running
 from tfdp.callbacks.chief import cluster_of, write_path
 from tfdp.callbacks.dataset_epoch import prepare_next_epoch
-from tfdp.protocol import EXIT_PREEMPTED, EXIT_RESTART_REQUESTED
+from tfdp.protocol import EXIT_PREEMPTED, restart_requested_exit_code
 from tfdp.resilience import backups, elastic
 from tfdp.resilience.agreement import Agreement
 from tfdp.resilience.preemption import PreemptionWatcher, StopAgreement
@@ -44,10 +44,10 @@ class Preempted(SystemExit):
 class RestartRequested(SystemExit):
     """Raised out of ``model.fit`` after a backup when the job asks its launcher for a
     restart with another membership (straggler eviction): exit code
-    ``tfdp.protocol.EXIT_RESTART_REQUESTED`` (75)."""
+    ``tfdp.protocol.restart_requested_exit_code()`` (75 unless ``TFDP_EVICT_EXIT_CODE``)."""
 
     def __init__(self, message=""):
-        super().__init__(EXIT_RESTART_REQUESTED)
+        super().__init__(restart_requested_exit_code())
         self.message = message
 
 
@@ -364,6 +364,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._chief:
             elastic.request_eviction(request["rank"], request["reason"])
         message = (f"tfdp: restart requested without rank {request['rank']} ({request['reason']}); "
-                   f"backed up at global step {self._global_step}; exiting with {EXIT_RESTART_REQUESTED}")
+                   f"backed up at global step {self._global_step}; exiting with "
+                   f"{restart_requested_exit_code()}")
         log.warning(message)
         raise RestartRequested(message)
