@@ -229,7 +229,9 @@ def test_state_updates_under_xla_equal_without():
     # BatchNormalization statistics and metrics are state the compiled part returns and the
     # replica assigns: 4 replicas with XLA end with the same moving statistics as without.
     def bn_model():
-        return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
+        # No bias before BatchNormalization: its true gradient is zero, and Adam would turn
+        # the rounding noise in it into full-size steps.
+        return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, use_bias=False),
                                  keras.layers.BatchNormalization(), keras.layers.Dense(3)])
 
     x, y = classification_data(n=128)
@@ -243,7 +245,8 @@ def test_state_updates_under_xla_equal_without():
     assert_weights_close(results[0][0], results[1][0])  # moving mean/variance included
     np.testing.assert_allclose(results[0][1]["loss"], results[1][1]["loss"], rtol=1e-5)
     # Guard: the moving statistics moved (so the comparison above covers state updates).
-    assert not np.allclose(results[0][0][4], weights[4])
+    assert not np.allclose(results[0][0][3], weights[3])  # moving mean
+    assert not np.allclose(results[0][0][4], weights[4])  # moving variance
 
 
 class OwnStep(keras.Sequential):
@@ -310,6 +313,22 @@ def test_compile_gradients_in_a_custom_loop_equals_one_device():
     got, grad_fn = _custom_loop(tfdp.DataParallelStrategy(cpu_devices(4)), jit_compile=True)
     assert_weights_close(got, reference)
     assert grad_fn.function.experimental_get_tracing_count() == 4
+
+
+def test_compile_gradients_warns_once_about_a_variable_it_was_not_given(caplog):
+    given, hidden = keras.Variable(2.0), keras.Variable(3.0)
+    grad_fn = tfdp.compile_gradients(lambda: given * hidden, [given])
+    with caplog.at_level(logging.WARNING, logger="tfdp"):
+        for _ in range(2):
+            value, (grad,) = grad_fn()
+    assert float(value) == 6.0 and float(grad) == 3.0
+    said = [r.getMessage() for r in caplog.records if "not among its variables" in r.getMessage()]
+    assert len(said) == 1 and "reads 1 variable(s)" in said[0]
+    # Guard: given as state, nothing is captured and nothing is said.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tfdp"):
+        tfdp.compile_gradients(lambda: given * hidden, [given], [hidden])()
+    assert not [r for r in caplog.records if "not among its variables" in r.getMessage()]
 
 
 def test_compile_gradients_takes_keras_variables_only():

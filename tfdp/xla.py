@@ -103,6 +103,7 @@ class CompiledGradients:
         self.variables = _keras_variables(variables, "variables")
         self.state_variables = _keras_variables(state_variables, "state_variables")
         self.has_aux = has_aux
+        self._checked = False
         self.function = tf.function(self._stateless, jit_compile=jit_compile,
                                     reduce_retracing=True)
 
@@ -125,11 +126,28 @@ class CompiledGradients:
     def __call__(self, *args, **kwargs):
         values = [_read(v) for v in self.variables]
         state_values = [_read(v) for v in self.state_variables]
+        self._check_captures(values, state_values, args, kwargs)
         out, grads, updated = self.function(values, state_values, args, kwargs)
         for variable, new in zip(self.state_variables, updated):
             if new is not None:
                 variable.assign(new)
         return out, list(grads)
+
+
+    def _check_captures(self, values, state_values, args, kwargs):
+        """Warns once when fn reads a variable it was not given (captured by the compiled
+        function): XLA may then touch another replica's variable on GPUs."""
+        if self._checked:
+            return
+        self._checked = True
+        concrete = self.function.get_concrete_function(values, state_values, args, kwargs)
+        captured = [t for t in concrete.captured_inputs if t.dtype == tf.resource]
+        if captured:
+            log.warning(
+                "tfdp.compile_gradients: %s reads %d variable(s) not among its variables or "
+                "state_variables; the compiled function captures them, which XLA cannot do "
+                "for several GPUs in one process. Pass them in state_variables.",
+                getattr(self.fn, "__name__", "fn"), len(captured))
 
 
 def compile_gradients(fn, variables, state_variables=(), has_aux=False, jit_compile=True):
