@@ -19,7 +19,10 @@ search, regions) are in tools/large_batch_core.py's docstring; data in large_bat
 training in large_batch_train.py.
 
 Exit status: 0; 1 for bad flags, files or a target the untrained model already meets; 2 when
-no trial reached the target (the trials stay in the results file).
+no trial reached the target (the trials stay in the results file); 3 when --max_trials stopped
+the sweep with trials left (rerun to continue). With --trials_per_process=N (default 40) the
+sweep runs in a series of child processes of N trials each (a multi-replica TensorFlow process
+does not give back the memory of the functions it traced).
 """
 
 from __future__ import annotations
@@ -79,7 +82,11 @@ flags.DEFINE_float("report_target", 0.0, "With --report_only: read the trials at
                    "target instead of the one they ran for (0: theirs).")
 flags.DEFINE_list("merge", [], "Result files to merge into --results (then report).")
 flags.DEFINE_boolean("report_every_group", True, "Regenerate the report after every group.")
+flags.DEFINE_integer("trials_per_process", 40, "Train at most this many trials per process, then "
+                     "continue in a fresh one (TensorFlow keeps ~22 MB per multi-replica trial "
+                     "it traced; 0: one process for the whole sweep).")
 
+STOPPED_EARLY = 3
 DEFAULTS = {"digits": {"target": 0.95, "max_epochs": 60.0, "max_steps": 400},
             "fashion_mnist": {"target": 0.85, "max_epochs": 20.0, "max_steps": 3000}}
 
@@ -177,7 +184,24 @@ def run_sweep(out, results) -> int:
     print(f"trained {sweep.trained} new trial(s) in {(time.time() - sweep.started) / 60:.1f} min; "
           f"{len(sweep.records)} in {results}" + ("" if finished else " (stopped early)"),
           flush=True)
+    if not finished:
+        return STOPPED_EARLY
     return report_from(results, out) if sweep.records else 0
+
+
+def run_in_child_processes() -> int:
+    """The sweep as a series of child processes of --trials_per_process trials each."""
+    import subprocess
+
+    command = [sys.executable, os.path.abspath(__file__), *sys.argv[1:],
+               f"--max_trials={FLAGS.trials_per_process}", "--trials_per_process=0"]
+    children = 0
+    while True:
+        children += 1
+        code = subprocess.call(command)
+        if code != STOPPED_EARLY:
+            print(f"sweep ran in {children} process(es)", flush=True)
+            return code
 
 
 def main(argv):
@@ -196,6 +220,9 @@ def main(argv):
         if FLAGS.report_only:
             return report_from(results, out)
         core.validate_target(FLAGS.target or DEFAULTS[FLAGS.dataset]["target"])
+        _checked_lists()
+        if FLAGS.trials_per_process > 0 and not FLAGS.max_trials:
+            return run_in_child_processes()
         return run_sweep(out, results)
     except (core.HarnessError, large_batch_data.DataUnavailableError) as error:
         print(f"large_batch: {error}", file=sys.stderr, flush=True)
