@@ -139,6 +139,24 @@ def test_regions_by_local_slope():
     assert core.regions([32, 64], [100, 120]) == ["maximal"]  # more steps: no gain at all
 
 
+@pytest.mark.parametrize("b_crit", [20.0, 700.0, 5000.0])
+def test_critical_batch_fit_recovers_the_model_and_its_regions(b_crit):
+    batches = [32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    steps = core.model_steps(50.0, b_crit, batches)
+    noisy = [s * (1.1 if i % 2 else 0.9) for i, s in enumerate(steps)]
+    s_min, fitted, rms = core.fit_critical_batch(batches, steps)
+    assert s_min == pytest.approx(50.0, rel=0.01) and fitted == pytest.approx(b_crit, rel=0.01)
+    assert rms < 1e-3
+    s_min, fitted, rms = core.fit_critical_batch(batches, noisy)
+    assert fitted == pytest.approx(b_crit, rel=0.35) and 0.05 < rms < 0.15
+    end_perfect, start_maximal = core.model_regions(b_crit)
+    assert (end_perfect, start_maximal) == pytest.approx((b_crit / 3, 3 * b_crit))
+    # The model's slope at those batches is the rule's thresholds.
+    for batch, slope in ((end_perfect, core.PERFECT_SLOPE), (start_maximal, core.MAXIMAL_SLOPE)):
+        assert -b_crit / (batch + b_crit) == pytest.approx(slope)
+    assert core.fit_critical_batch(batches[:3], [100, None, 30]) is None
+
+
 def test_learning_rate_rules_and_fitted_exponent():
     batches = [32, 64, 128, 1024]
     linear = core.rule_learning_rates(0.1, 32, batches, "linear")
@@ -249,9 +267,11 @@ def test_report_reads_regions_and_keeps_hand_written_text(tmp_path):
     assert text.startswith("# Title\n\nAnalysis by hand.") and text.endswith("More by hand.\n")
     assert "\nold\n" not in text
     assert "| 64 | 400 @ 0.1 | 400 @ 0.1 |" in text and "| 256 | 270 @ 0.1 | missed |" in text
-    assert ("- sgd: perfect scaling 32→64; diminishing returns 64→128; maximal data parallelism "
-            "128→256.") in text
-    assert "- lars: perfect scaling 32→128; target missed at the larger batch 128→256." in text
+    assert ("Local slopes: perfect scaling 32→64; diminishing returns 64→128; maximal data "
+            "parallelism 128→256.") in text
+    assert "- sgd: fit S_min = " in text and "perfect scaling up to ~" in text
+    assert ("Local slopes: perfect scaling 32→128; target missed at the larger batch 128→256."
+            in text)
     assert "48 trials (42 reached the target, 6 ran out of budget, 0 diverged)" in text
     rows = list(csv.DictReader(open(out + ".csv")))
     assert [r["region_to_next_batch"] for r in rows[:4]] == ["perfect", "diminishing", "maximal", ""]
@@ -435,3 +455,21 @@ def test_a_target_no_trial_reaches_is_reported_with_the_best_accuracy(strategy, 
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "no trial reached --target=0.999 within its budget" in proc.stderr
     assert "Lower --target or raise --max_epochs/--max_steps" in proc.stderr
+
+
+@pytest.mark.slow
+def test_cli_sweep_continues_in_fresh_processes_and_reports(tmp_path):
+    env = dict(os.environ)
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--optimizers=adam", "--batch_sizes=64", "--seeds=1",
+         "--lr_initial_points=1", "--lr_max_points=2", "--trials_per_process=1", "--threads=1",
+         f"--out={tmp_path}/c"], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # Two processes of one trial each, the second continuing from the first one's record.
+    assert proc.stdout.count("trial 1 (group 1/1) adam batch 64") == 2
+    assert "1 already in" in proc.stdout and "sweep ran in 2 process(es)" in proc.stdout
+    records = core.read_records(f"{tmp_path}/c.jsonl")
+    assert sorted(r["lr_index"] for r in records) in ([0, 1], [-1, 0])
+    assert {r["replicas"] for r in records} == {2} and {r["pid"] for r in records}.__len__() == 2
+    assert "| 64 |" in open(f"{tmp_path}/c.md").read()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import traceback
 
 from absl import app, flags, logging as absl_logging
 
@@ -134,6 +135,16 @@ def report_from(results: str, out: str) -> int:
     return 0
 
 
+def _report_between_groups(results: str, out: str) -> None:
+    """The report after a group; a failure to draw it is printed and the sweep goes on."""
+    try:
+        report_from(results, out)
+    except Exception:  # noqa: BLE001 - the trials matter more than an intermediate plot
+        traceback.print_exc()
+        print("large_batch: the intermediate report failed (above); the sweep continues",
+              file=sys.stderr, flush=True)
+
+
 def _checked_lists():
     warmups = [round(float(w), 6) for w in FLAGS.warmup_fractions]
     if any(not 0 <= w < 1 for w in warmups):
@@ -178,7 +189,8 @@ def run_sweep(out, results) -> int:
         setup, results, groups, list(range(FLAGS.seeds)), train,
         initial=FLAGS.lr_initial_points, max_points=FLAGS.lr_max_points,
         max_trials=FLAGS.max_trials,
-        on_group_done=(lambda: report_from(results, out)) if FLAGS.report_every_group else None,
+        on_group_done=(lambda: _report_between_groups(results, out))
+        if FLAGS.report_every_group else None,
         log=lambda line: print(line, flush=True))
     finished = sweep.run()
     print(f"trained {sweep.trained} new trial(s) in {(time.time() - sweep.started) / 60:.1f} min; "
@@ -227,6 +239,13 @@ def main(argv):
     except (core.HarnessError, large_batch_data.DataUnavailableError) as error:
         print(f"large_batch: {error}", file=sys.stderr, flush=True)
         return 1
+    except Exception:  # noqa: BLE001
+        # Measured: after an uncaught exception, a process with running multi-replica input
+        # iterators can hang in interpreter shutdown (every thread in a futex wait). Exit now.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 if __name__ == "__main__":

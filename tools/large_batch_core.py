@@ -31,6 +31,10 @@ batch size? One rule per mechanism:
   scaling (a doubling cuts the steps by at least 1.68x), ``s >= -0.25`` is maximal data
   parallelism (a doubling cuts them by less than 16%, or not at all), anything between is
   diminishing returns. A segment whose larger batch missed the target is ``"unreached"``.
+  Local slopes follow the noise of single points, so the regions are also read off a fit of
+  McCandlish et al.'s (2018) model ``S(B) = S_min * (1 + B_crit / B)`` (``fit_critical_batch``:
+  least squares on log steps): its slope ``-B_crit / (B + B_crit)`` crosses the same thresholds at
+  ``B_crit / 3`` (perfect scaling below) and ``3 * B_crit`` (maximal data parallelism above).
 - **Learning-rate rules.** The best learning rates are compared with the linear rule
   (``lr ∝ B``, Goyal et al.) and the square-root rule (``lr ∝ √B``), both through the smallest
   batch's best rate, and summarised by the least-squares exponent of ``lr ∝ B^a``
@@ -403,6 +407,41 @@ def region_runs(batches: list[int], labels: list[str]) -> list[tuple[str, int, i
         else:
             runs.append((label, b1, b2))
     return runs
+
+
+def fit_critical_batch(batches: list[int], steps: list):
+    """Least-squares fit of ``log S = log S_min + log(1 + B_crit / B)`` over the points that
+    reached the target: (S_min, B_crit, rms of the log residuals), or None with fewer than 3.
+
+    ``B_crit`` is searched on a fine log grid from batches[0]/64 to batches[-1]*64 (for a given
+    ``B_crit``, the best ``log S_min`` is the mean residual); a fit at an end of the grid means the
+    data shows only one regime.
+    """
+    points = [(b, s) for b, s in zip(batches, steps) if s is not None]
+    if len(points) < 3:
+        return None
+    lo, hi = math.log(points[0][0] / 64), math.log(points[-1][0] * 64)
+    best = None
+    for i in range(2001):
+        b_crit = math.exp(lo + (hi - lo) * i / 2000)
+        shape = [math.log(1 + b_crit / b) for b, _ in points]
+        residual = [math.log(s) - f for (_, s), f in zip(points, shape)]
+        log_s_min = sum(residual) / len(residual)
+        error = sum((r - log_s_min) ** 2 for r in residual) / len(residual)
+        if best is None or error < best[0]:
+            best = (error, math.exp(log_s_min), b_crit)
+    error, s_min, b_crit = best
+    return s_min, b_crit, math.sqrt(error)
+
+
+def model_steps(s_min: float, b_crit: float, batches: list[int]) -> list[float]:
+    return [s_min * (1 + b_crit / b) for b in batches]
+
+
+def model_regions(b_crit: float) -> tuple[float, float]:
+    """(end of perfect scaling, start of maximal data parallelism) of the fitted model: where
+    its slope ``-B_crit / (B + B_crit)`` crosses PERFECT_SLOPE and MAXIMAL_SLOPE (B_crit/3, 3·B_crit)."""
+    return (b_crit * (1 / -PERFECT_SLOPE - 1), b_crit * (1 / -MAXIMAL_SLOPE - 1))
 
 
 def perfect_scaling_line(batch0: int, steps0: float, batches: list[int]) -> list[float]:

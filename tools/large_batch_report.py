@@ -44,11 +44,19 @@ def curves(records) -> dict:
 
 
 def region_sentence(opt: str, batches: list[int], points: list[dict]) -> str:
+    """The regions of one optimizer: from the fitted model, then from the local slopes."""
     steps = [p["median_steps"] for p in points]
     runs = core.region_runs(batches, core.regions(batches, steps))
-    if not runs:
-        return f"{opt}: fewer than two batch sizes, no regions."
-    return f"{opt}: " + "; ".join(f"{NAMES[label]} {b1}→{b2}" for label, b1, b2 in runs) + "."
+    local = "; ".join(f"{NAMES[label]} {b1}→{b2}" for label, b1, b2 in runs) or "fewer than two points"
+    fit = core.fit_critical_batch(batches, steps)
+    if fit is None:
+        return f"{opt}: too few points for the fit; local slopes: {local}."
+    s_min, b_crit, rms = fit
+    end_perfect, start_maximal = core.model_regions(b_crit)
+    return (f"{opt}: fit S_min = {s_min:.0f} steps, B_crit = {b_crit:.0f} (rms residual "
+            f"{100 * (math.exp(rms) - 1):.0f}%): perfect scaling up to ~{end_perfect:.0f}, "
+            f"diminishing returns to ~{start_maximal:.0f}, maximal data parallelism beyond. "
+            f"Local slopes: {local}.")
 
 
 def csv_rows(records) -> list[dict]:
@@ -121,9 +129,12 @@ def markdown(records) -> str:
             cells.append(_cell(points[bs.index(b)] if b in bs else None, len(warmups) > 1))
         lines.append(f"| {b} | " + " | ".join(cells) + " |")
     lines += ["", "## Regions", "",
-              f"Rule: local log-log slope s between consecutive batch sizes; s ≤ "
+              f"Rule (tools/large_batch_core.py): log-log slope s of steps vs batch; s ≤ "
               f"{core.PERFECT_SLOPE} perfect scaling, s ≥ {core.MAXIMAL_SLOPE} maximal data "
-              "parallelism, between: diminishing returns.", ""]
+              "parallelism, between: diminishing returns. Read off the least-squares fit of "
+              "S(B) = S_min·(1 + B_crit/B) (McCandlish et al. 2018; its slope crosses the "
+              "thresholds at B_crit/3 and 3·B_crit; the plot's shading), and, noisier, off the "
+              "local slope between consecutive measured batch sizes.", ""]
     lines += [f"- {region_sentence(opt, bs, pts)}" for opt, (bs, pts) in data.items()]
     lines += ["", "## Best learning rate vs batch size", "",
               "Least-squares exponent a of best lr ∝ batch^a over the batch sizes that reached "
@@ -188,6 +199,20 @@ def _log_axes(ax, batches):
     ax.grid(alpha=0.3, which="both")
 
 
+def _shading(batches, steps, all_batches):
+    """(label, from, to) spans: the fitted model's regions when there is a fit, else the local
+    slopes between measured batch sizes."""
+    fit = core.fit_critical_batch(batches, steps)
+    if fit is None:
+        return list(zip(core.regions(batches, steps), batches, batches[1:]))
+    lo, hi = min(all_batches) / 1.3, max(all_batches) * 1.3
+    end_perfect, start_maximal = core.model_regions(fit[1])
+    spans = [(core.REGION_PERFECT, lo, min(max(end_perfect, lo), hi)),
+             (core.REGION_DIMINISHING, min(max(end_perfect, lo), hi), min(max(start_maximal, lo), hi)),
+             (core.REGION_MAXIMAL, min(max(start_maximal, lo), hi), hi)]
+    return [span for span in spans if span[2] > span[1]]
+
+
 def plot_steps(records, path: str) -> None:
     plt = report.pyplot()
     data = curves(records)
@@ -203,10 +228,14 @@ def plot_steps(records, path: str) -> None:
                    if p["median_steps"] is not None]
             if ref:
                 ax.plot(*zip(*ref), "-", color="0.6", lw=1.2, label="SGD / Adam (baseline)")
-        for label, b1, b2 in zip(core.regions(batches, steps), batches, batches[1:]):
+        for label, b1, b2 in _shading(batches, steps, all_batches):
             ax.axvspan(b1, b2, color=COLORS[label], alpha=0.18, lw=0,
                        label=NAMES[label] if label not in shaded else None)
             shaded.add(label)
+        fit = core.fit_critical_batch(batches, steps)
+        if fit:
+            ax.plot(all_batches, core.model_steps(fit[0], fit[1], all_batches), ":", color="C1",
+                    lw=1.5, label="fit S_min·(1 + B_crit/B)")
         for p in points:
             seeds = [s for s in p["seed_steps"] if s is not None]
             ax.plot([p["batch"]] * len(seeds), seeds, ".", color="0.55", ms=4)
