@@ -202,9 +202,8 @@ def _private_stand_in(path, keep: bool = False):
 
 # --- function hooks --------------------------------------------------------------------------
 
-def _hook_path_argument(owner, name: str, parameter: str, keep: bool = False, also=()):
-    """Wraps ``owner.name`` so a worker that redirects writes its ``parameter`` privately;
-    ``also``: further (owner, name) pairs bound to the same function, given the wrapper too."""
+def _hook_path_argument(owner, name: str, parameter: str, keep: bool = False):
+    """Wraps ``owner.name`` so a worker that redirects writes its ``parameter`` privately."""
     original = getattr(owner, name)
     if getattr(original, "_tfdp_chief_writes", False):
         return
@@ -227,9 +226,6 @@ def _hook_path_argument(owner, name: str, parameter: str, keep: bool = False, al
 
     wrapper._tfdp_chief_writes = True
     setattr(owner, name, wrapper)
-    for other, other_name in also:
-        if getattr(other, other_name, None) is original:
-            setattr(other, other_name, wrapper)
 
 
 def _sync(checkpoint):
@@ -424,10 +420,8 @@ def _install():
         for module, name in _tf_private.keras_file_writers():
             _hook_path_argument(module, name, "filepath")
         _hook_path_argument(keras.Model, "export", "filepath")
-        for module, name, api, api_name, parameter in _tf_private.tensorflow_file_writers():
-            # A summary writer's files live as long as the writer: they go at exit.
-            _hook_path_argument(module, name, parameter, keep=(api_name == "create_file_writer"),
-                                also=[(api, api_name)])
+        _hook_path_argument(tf.saved_model, "save", "export_dir")
+        _hook_path_argument(tf.summary, "create_file_writer", "logdir", keep=True)
         _hook_checkpoint_write(*_tf_private.checkpoint_writer())
         _hook_checkpoint_manager(tf.train.CheckpointManager)
         _hook_callbacks()
