@@ -235,13 +235,20 @@ def main(argv):
         _checked_lists()
         if FLAGS.trials_per_process > 0 and not FLAGS.max_trials:
             return run_in_child_processes()
-        return run_sweep(out, results)
+        code = run_sweep(out, results)
+        if "tensorflow" in sys.modules:
+            # Measured: a process that trained tens of multi-replica trials (hundreds of
+            # input-pipeline threads left behind) can hang in interpreter shutdown, every
+            # thread in a futex wait. Everything is written and flushed: leave at once.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
     except (core.HarnessError, large_batch_data.DataUnavailableError) as error:
         print(f"large_batch: {error}", file=sys.stderr, flush=True)
         return 1
     except Exception:  # noqa: BLE001
-        # Measured: after an uncaught exception, a process with running multi-replica input
-        # iterators can hang in interpreter shutdown (every thread in a futex wait). Exit now.
+        # After an uncaught exception too (see above): print it and leave at once.
         traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
