@@ -20,6 +20,7 @@ import time
 import numpy as np
 import pytest
 
+from procs import process_alive
 from tfdp import hosts as hosts_lib
 from tfdp import launch
 from tfdp.cluster import ClusterConfig
@@ -202,13 +203,6 @@ def _wait_for(predicate, what, seconds=TIMEOUT):
         time.sleep(0.02)  # polling files and processes; the deadline bounds it
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 class Job:
@@ -289,7 +283,7 @@ def test_sigterm_reaches_remote_workers_and_no_worker_outlives_its_ssh(sshd, tmp
         _wait_for(lambda: all((out_dir / f"stepped-s{s}-a0").exists() for s in range(4))
                   or job.proc.poll() is not None, "4 workers to train")
         pids = [r["pid"] for r in _records(out_dir).values()]
-        assert len(pids) == 4 and all(_alive(p) for p in pids)
+        assert len(pids) == 4 and all(process_alive(p) for p in pids)
         if case == "ssh":
             os.kill(job.children()[0], signal.SIGKILL)
             code, out = job.finish()
@@ -298,7 +292,8 @@ def test_sigterm_reaches_remote_workers_and_no_worker_outlives_its_ssh(sshd, tmp
         else:
             job.proc.kill()
             job.proc.wait()
-        _wait_for(lambda: not any(_alive(p) for p in pids), f"workers {pids} to end ({case})")
+        _wait_for(lambda: not any(process_alive(p) for p in pids),
+                  f"workers {pids} to end ({case})")
 
 
 @pytest.mark.slow

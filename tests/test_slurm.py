@@ -21,6 +21,7 @@ import pytest
 import keras
 
 from helpers import classification_data, initial_weights, mlp, train
+from procs import process_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiworker]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -121,12 +122,6 @@ class Slurm:
         return [int(f.read_text()) for f in files if f.exists() and f.read_text().strip()]
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -166,13 +161,13 @@ def _stop(cluster):
         print(f"slurm teardown: {e}")
     pids = cluster.pids()
     for pid in pids:
-        if _alive(pid):
+        if process_alive(pid):
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 30
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)  # waiting for our own daemons to exit, bounded
     for pid in pids:
-        if _alive(pid):
+        if process_alive(pid):
             os.kill(pid, signal.SIGKILL)
 
 
