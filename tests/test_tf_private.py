@@ -274,3 +274,59 @@ def test_set_keras_initial_epoch_makes_fit_start_there():
     x = np.zeros((4, 1), "float32")
     model.fit(x, x, epochs=4, verbose=0, callbacks=[Resume()])
     assert epochs_run == [2, 3]
+
+
+def test_chief_writes_hooks_sit_where_keras_and_tensorflow_write(tmp_path):
+    # Pins patch_keras_file_writers, patch_keras_export, patch_tensorflow_file_writers,
+    # patch_checkpoint_write, patch_checkpoint_manager_save, patch_keras_callback,
+    # checkpoint_manager_state, keras_backup_paths and keras_initial_epoch against the
+    # installed TF/Keras: the public calls reach the patched functions (this process is no
+    # worker, so they write as usual; tests/test_keras_script.py checks what a worker writes).
+    import importlib
+    import sys
+
+    import keras
+    import tensorflow as tf
+    from keras.src.legacy.saving import legacy_h5_format
+    from keras.src.saving import saving_lib
+    from tensorflow.python.ops import summary_ops_v2
+    from tensorflow.python.saved_model import save as saved_model_save
+
+    from tfdp import chief_writes, consensus
+
+    chief_writes._install()
+    consensus.install()
+    patched = [(saving_lib, "save_model"), (saving_lib, "save_weights_only"),
+               (legacy_h5_format, "save_model_to_hdf5"), (keras.Model, "export"),
+               (summary_ops_v2, "create_file_writer_v2"), (saved_model_save, "save"),
+               (tf.summary, "create_file_writer"), (tf.saved_model, "save"),
+               (tf.train.Checkpoint, "_write"), (tf.train.CheckpointManager, "save"),
+               (keras.callbacks.TensorBoard, "set_model"), (keras.callbacks.CSVLogger,
+                                                            "on_train_begin"),
+               (keras.callbacks.BackupAndRestore, "on_train_batch_end"),
+               (keras.callbacks.BackupAndRestore, "on_train_begin"),
+               (keras.callbacks.CallbackList, "on_epoch_end")]
+    for owner, name in patched:
+        assert getattr(getattr(owner, name), "_tfdp_patch", False), (owner, name)
+    # The reason for patching the implementation too: re-executing the API module (what an
+    # `import tensorflow.summary` statement can do) binds the patched function.
+    importlib.reload(sys.modules[tf.summary.__name__])
+    assert getattr(tf.summary.create_file_writer, "_tfdp_patch", False)
+    # The public calls go through the patched functions: a wrapper that ran, ran the original.
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("adam", "mse")
+    model.save(str(tmp_path / "m.keras"))
+    model.save_weights(str(tmp_path / "m.weights.h5"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.keras", "m.weights.h5"]
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model), str(tmp_path / "c"), 2)
+    state = _tf_private.checkpoint_manager_state(manager)
+    assert state.directory == str(tmp_path / "c") and state.latest is None
+    assert manager.save() == str(tmp_path / "c" / "ckpt-1")
+    state = _tf_private.checkpoint_manager_state(manager)
+    assert list(state.maybe_delete) == [state.latest] == [str(tmp_path / "c" / "ckpt-1")]
+    _tf_private.set_checkpoint_manager_state(manager, state._replace(latest="x"))
+    assert manager.latest_checkpoint == "x"
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "b"))
+    paths = _tf_private.keras_backup_paths(backup)
+    assert all(p.startswith(str(tmp_path / "b")) for p in paths.values()) and len(paths) == 5
+    assert _tf_private.keras_initial_epoch(model) is None

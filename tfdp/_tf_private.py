@@ -507,59 +507,88 @@ def dataset_flat_types_and_shapes(element_spec):
 
 
 # --- Chief-only writes and agreed decisions (tfdp/chief_writes.py, tfdp/consensus.py) ------
+# A Keras script runs unchanged on several workers: every write below still runs on every
+# worker (saving may need collectives), but only the chief writes at the script's path.
 
-def keras_file_writers():
-    """The Keras functions that write a model or weights file, as (module, name) pairs; each
-    takes the path as its ``filepath`` argument.
+_CHIEF_WRITES = "only the chief writes the script's files (tfdp/chief_writes.py)"
+
+
+def patch_keras_file_writers(make) -> None:
+    """Replaces the Keras functions that write a model or weights file (each takes the path as
+    ``filepath``) by ``make(original)``.
 
     Why: ``model.save``, ``keras.saving.save_model``, ``save_weights`` and every callback that
     saves (ModelCheckpoint, BackupAndRestore, TensorBoard's embeddings) end in these functions
     of Keras's private saving modules, which ``saving_api`` looks up at call time. The public
     functions above them are bound under several public names (``keras.saving.save_model``,
     ``keras.models.save_model``) that one patch would miss, and no public hook says "about to
-    write a file". tfdp wraps these so that only the chief writes at the script's path.
+    write a file".
     """
     from keras.src.legacy.saving import legacy_h5_format
     from keras.src.saving import saving_lib
 
-    return [(saving_lib, "save_model"), (saving_lib, "save_weights_only"),
-            (legacy_h5_format, "save_model_to_hdf5")]
+    for module, name in ((saving_lib, "save_model"), (saving_lib, "save_weights_only"),
+                         (legacy_h5_format, "save_model_to_hdf5")):
+        _patch(module, name, make, _CHIEF_WRITES)
 
 
-# Why: Keras's BackupAndRestore keeps every path it writes or deletes in these attributes (set
-# in __init__, used by _save_model and on_train_end); tfdp points them at a private directory
-# on workers other than the chief while it writes, and leaves them alone while it reads. No
-# public API separates its reads from its writes.
-KERAS_BACKUP_PATH_ATTRIBUTES = ("backup_dir", "_weights_path", "_training_metadata_path",
-                                "_prev_weights_path", "_prev_training_metadata_path")
+def patch_keras_export(make) -> None:
+    """Replaces ``keras.Model.export`` (public; every export format) by ``make(original)``."""
+    import keras
+
+    _patch(keras.Model, "export", make, _CHIEF_WRITES)
 
 
-def keras_initial_epoch(model):
-    """The epoch Keras's BackupAndRestore restored into ``model`` (None: it restored nothing).
+def patch_tensorflow_file_writers(make) -> None:
+    """Replaces ``tf.summary.create_file_writer`` and ``tf.saved_model.save`` by
+    ``make(original, path_parameter, keep)`` (``keep``: the files live as long as the writer).
 
-    Why: BackupAndRestore hands the restored epoch to ``fit`` only through this attribute;
-    tfdp checks that every worker restored the same one.
+    Why: both are bound in TensorFlow's generated API modules, which Python can execute a
+    second time: an ``import tensorflow.summary`` statement (Keras's TensorBoard callback makes
+    one) re-creates the module from the implementation module's attributes (measured with TF
+    2.21: a patch of the public name alone was gone after ``fit``). So the private
+    implementation functions are patched too, and a re-created API module binds the patched
+    ones.
     """
-    return getattr(model, "_initial_epoch", None)
+    import tensorflow as tf
+    from tensorflow.python.ops import summary_ops_v2
+    from tensorflow.python.saved_model import save as saved_model_save
+
+    for module, name, api, api_name, parameter, keep in (
+            (summary_ops_v2, "create_file_writer_v2", tf.summary, "create_file_writer",
+             "logdir", True),
+            (saved_model_save, "save", tf.saved_model, "save", "export_dir", False)):
+        original = _patch(module, name, lambda f, p=parameter, k=keep: make(f, p, k),
+                          _CHIEF_WRITES)
+        if getattr(api, api_name, None) is original:
+            setattr(api, api_name, getattr(module, name))
 
 
-def checkpoint_writer():
-    """(class, method name) of the one method every ``tf.train.Checkpoint`` write goes through.
+def patch_checkpoint_write(make) -> None:
+    """Replaces ``tf.train.Checkpoint._write(file_prefix, ...)`` by ``make(original)``.
 
     Why: ``Checkpoint.save``, ``Checkpoint.write`` and ``CheckpointManager.save`` all write
-    through ``Checkpoint._write(file_prefix, options)``, which also runs the callbacks that
-    record the checkpoint state file next to it. Wrapping the public methods would miss the
-    manager (it calls ``_write`` directly).
+    through this private method, which also runs the callbacks that record the checkpoint
+    state file next to the checkpoint; the manager calls it directly, so wrapping the public
+    methods would miss it.
     """
     import tensorflow as tf
 
-    return tf.train.Checkpoint, "_write"
+    _patch(tf.train.Checkpoint, "_write", make, _CHIEF_WRITES)
+
+
+def patch_checkpoint_manager_save(make) -> None:
+    """Replaces ``tf.train.CheckpointManager.save`` (public) by ``make(original)``."""
+    import tensorflow as tf
+
+    _patch(tf.train.CheckpointManager, "save", make, _CHIEF_WRITES)
 
 
 from collections import namedtuple as _namedtuple  # noqa: E402
 
 CheckpointManagerState = _namedtuple("CheckpointManagerState",
                                      ["directory", "prefix", "maybe_delete", "latest"])
+_MANAGER_STATE = ("_directory", "_checkpoint_prefix", "_maybe_delete", "_latest_checkpoint")
 
 
 def checkpoint_manager_state(manager) -> CheckpointManagerState:
@@ -571,15 +600,43 @@ def checkpoint_manager_state(manager) -> CheckpointManagerState:
     while the manager's bookkeeping keeps naming the chief's files, tfdp swaps these for one
     ``save()``. The public properties are read-only.
     """
-    return CheckpointManagerState(manager._directory, manager._checkpoint_prefix,  # noqa: SLF001
-                                  manager._maybe_delete, manager._latest_checkpoint)  # noqa: SLF001
+    return CheckpointManagerState(*(_get(manager, name, _CHIEF_WRITES) for name in _MANAGER_STATE))
 
 
 def set_checkpoint_manager_state(manager, state: CheckpointManagerState) -> None:
-    manager._directory = state.directory  # noqa: SLF001
-    manager._checkpoint_prefix = state.prefix  # noqa: SLF001
-    manager._maybe_delete = state.maybe_delete  # noqa: SLF001
-    manager._latest_checkpoint = state.latest  # noqa: SLF001
+    for name, value in zip(_MANAGER_STATE, state):
+        setattr(manager, name, value)
+
+
+def patch_keras_callback(class_name: str, method: str, make) -> None:
+    """Replaces ``keras.callbacks.<class_name>.<method>`` (public classes and methods:
+    TensorBoard, CSVLogger, BackupAndRestore, CallbackList) by ``make(original)``."""
+    import keras
+
+    _patch(getattr(keras.callbacks, class_name), method, make,
+           "a Keras script on several workers (tfdp/chief_writes.py, tfdp/consensus.py)")
+
+
+# Why: Keras's BackupAndRestore keeps every path it writes or deletes in these attributes (set
+# in __init__, used by _save_model and on_train_end); tfdp points them at a private directory
+# on workers other than the chief while it writes, and leaves them alone while it reads. No
+# public API separates its reads from its writes.
+KERAS_BACKUP_PATH_ATTRIBUTES = ("backup_dir", "_weights_path", "_training_metadata_path",
+                                "_prev_weights_path", "_prev_training_metadata_path")
+
+
+def keras_backup_paths(callback) -> dict:
+    """``KERAS_BACKUP_PATH_ATTRIBUTES`` of a Keras BackupAndRestore, by name."""
+    return {name: _get(callback, name, _CHIEF_WRITES) for name in KERAS_BACKUP_PATH_ATTRIBUTES}
+
+
+def keras_initial_epoch(model):
+    """The epoch Keras's BackupAndRestore restored into ``model`` (None: it restored nothing).
+
+    Why: BackupAndRestore hands the restored epoch to ``fit`` only through this attribute;
+    tfdp checks that every worker restored the same one.
+    """
+    return _get(model, "_initial_epoch", "checking that every worker restored the same epoch")
 
 
 # --- Resilience (tfdp/callbacks/backup_and_restore.py) ---------------------------------------

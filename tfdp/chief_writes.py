@@ -202,11 +202,9 @@ def _private_stand_in(path, keep: bool = False):
 
 # --- function hooks --------------------------------------------------------------------------
 
-def _hook_path_argument(owner, name: str, parameter: str, keep: bool = False):
-    """Wraps ``owner.name`` so a worker that redirects writes its ``parameter`` privately."""
-    original = getattr(owner, name)
-    if getattr(original, "_tfdp_chief_writes", False):
-        return
+def _redirect_argument(original, parameter: str, keep: bool = False):
+    """``original`` (a function or method taking a path as ``parameter``), writing that path
+    privately on a worker that redirects (removed afterwards unless ``keep``)."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -224,44 +222,34 @@ def _hook_path_argument(owner, name: str, parameter: str, keep: bool = False):
             bound.arguments[parameter] = private
             return original(*bound.args, **bound.kwargs)
 
-    wrapper._tfdp_chief_writes = True
-    setattr(owner, name, wrapper)
+    return wrapper
 
 
 def _sync(checkpoint):
     sync = getattr(checkpoint, "sync", None)
     if sync is not None:
-        sync()
+        sync()  # an async write must finish before its directory goes
 
 
-def _hook_checkpoint_write(checkpoint_class, name: str):
-    """``Checkpoint._write``: under it lie ``Checkpoint.save`` and ``write``. Returns the path
-    the script asked for, as the chief's call does."""
-    original = getattr(checkpoint_class, name)
-    if getattr(original, "_tfdp_chief_writes", False):
-        return
-
+def _checkpoint_write(original):
+    """``Checkpoint._write``, under ``save`` and ``write``; returns the path the script asked
+    for, as the chief's call does."""
     @functools.wraps(original)
     def _write(self, file_prefix, *args, **kwargs):
         if not _redirects(file_prefix):
             return original(self, file_prefix, *args, **kwargs)
         with _private_stand_in(file_prefix) as private:
             original(self, private, *args, **kwargs)
-            _sync(self)  # an async write must finish before its directory goes
+            _sync(self)
         return os.fspath(file_prefix)
 
-    _write._tfdp_chief_writes = True
-    setattr(checkpoint_class, name, _write)
+    return _write
 
 
-def _hook_checkpoint_manager(manager_class):
+def _checkpoint_manager_save(original):
     """``CheckpointManager.save``: the save, its state file and its deletions happen in a
     private directory, and the manager's bookkeeping keeps naming the chief's files."""
     from tfdp import _tf_private
-
-    original = manager_class.save
-    if getattr(original, "_tfdp_chief_writes", False):
-        return
 
     @functools.wraps(original)
     def save(self, *args, **kwargs):
@@ -293,8 +281,7 @@ def _hook_checkpoint_manager(manager_class):
                     latest=to_real(after.latest)))
         return to_real(result)
 
-    save._tfdp_chief_writes = True
-    manager_class.save = save
+    return save
 
 
 # --- callback hooks --------------------------------------------------------------------------
@@ -331,18 +318,10 @@ def _attributes(obj, values: dict):
             setattr(obj, k, v)
 
 
-def _hook_method(cls, name: str, make):
-    original = getattr(cls, name)
-    if getattr(original, "_tfdp_chief_writes", False):
-        return
-    wrapper = functools.wraps(original)(make(original))
-    wrapper._tfdp_chief_writes = True
-    setattr(cls, name, wrapper)
-
-
 def _while_writing(path_attributes):
     """A method wrapper that points ``path_attributes(callback)`` at the private directory."""
     def make(original):
+        @functools.wraps(original)
         def method(self, *args, **kwargs):
             values = path_attributes(self)
             if not values:
@@ -354,6 +333,7 @@ def _while_writing(path_attributes):
 
 
 def _then_drop(original):
+    @functools.wraps(original)
     def method(self, *args, **kwargs):
         try:
             return original(self, *args, **kwargs)
@@ -376,31 +356,9 @@ def _backup_paths(callback):
     private = _private_dir_of(callback, real)
     if private is None:
         return {}
-    values = {}
-    for attribute in _tf_private.KERAS_BACKUP_PATH_ATTRIBUTES:
-        value = getattr(callback, attribute)
-        if value == real or _is_under(value, real):
-            values[attribute] = private + value[len(real):]
-    return values
-
-
-def _hook_callbacks():
-    import keras
-
-    tensorboard, csv_logger = keras.callbacks.TensorBoard, keras.callbacks.CSVLogger
-    backup = keras.callbacks.BackupAndRestore
-    # TensorBoard derives every directory it writes from log_dir in set_model.
-    _hook_method(tensorboard, "set_model", _while_writing(_single_path("log_dir")))
-    _hook_method(tensorboard, "on_train_end", _then_drop)
-    # CSVLogger opens its file in on_train_begin and closes it in on_train_end.
-    _hook_method(csv_logger, "on_train_begin", _while_writing(_single_path("filename")))
-    _hook_method(csv_logger, "on_train_end", _then_drop)
-    # BackupAndRestore reads in on_train_begin (left alone: the chief's backup), writes in
-    # on_epoch_end / on_train_batch_end and deletes in on_train_end.
-    for name in ("on_epoch_end", "on_train_batch_end"):
-        _hook_method(backup, name, _while_writing(_backup_paths))
-    _hook_method(backup, "on_train_end",
-                 lambda original: _then_drop(_while_writing(_backup_paths)(original)))
+    return {name: private + value[len(real):]
+            for name, value in _tf_private.keras_backup_paths(callback).items()
+            if value == real or _is_under(value, real)}
 
 
 _install_lock = threading.Lock()
@@ -412,17 +370,24 @@ def _install():
     with _install_lock:
         if _installed:
             return
-        import keras
-        import tensorflow as tf
+        from tfdp import _tf_private as tp
 
-        from tfdp import _tf_private
-
-        for module, name in _tf_private.keras_file_writers():
-            _hook_path_argument(module, name, "filepath")
-        _hook_path_argument(keras.Model, "export", "filepath")
-        _hook_path_argument(tf.saved_model, "save", "export_dir")
-        _hook_path_argument(tf.summary, "create_file_writer", "logdir", keep=True)
-        _hook_checkpoint_write(*_tf_private.checkpoint_writer())
-        _hook_checkpoint_manager(tf.train.CheckpointManager)
-        _hook_callbacks()
+        tp.patch_keras_file_writers(lambda f: _redirect_argument(f, "filepath"))
+        tp.patch_keras_export(lambda f: _redirect_argument(f, "filepath"))
+        tp.patch_tensorflow_file_writers(_redirect_argument)
+        tp.patch_checkpoint_write(_checkpoint_write)
+        tp.patch_checkpoint_manager_save(_checkpoint_manager_save)
+        # TensorBoard derives every directory it writes from log_dir in set_model.
+        tp.patch_keras_callback("TensorBoard", "set_model", _while_writing(_single_path("log_dir")))
+        tp.patch_keras_callback("TensorBoard", "on_train_end", _then_drop)
+        # CSVLogger opens its file in on_train_begin and closes it in on_train_end.
+        tp.patch_keras_callback("CSVLogger", "on_train_begin",
+                                _while_writing(_single_path("filename")))
+        tp.patch_keras_callback("CSVLogger", "on_train_end", _then_drop)
+        # BackupAndRestore reads in on_train_begin (left alone: every worker reads the chief's
+        # backup), writes in on_epoch_end / on_train_batch_end, deletes in on_train_end.
+        for name in ("on_epoch_end", "on_train_batch_end"):
+            tp.patch_keras_callback("BackupAndRestore", name, _while_writing(_backup_paths))
+        tp.patch_keras_callback("BackupAndRestore", "on_train_end",
+                                lambda f: _then_drop(_while_writing(_backup_paths)(f)))
         _installed = True

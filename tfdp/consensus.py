@@ -122,25 +122,23 @@ def install():
     with _install_lock:
         if _installed:
             return
-        import keras
+        from tfdp import _tf_private
 
-        callback_list = keras.callbacks.CallbackList
-        end_of_epoch = callback_list.on_epoch_end
+        def agree_at_epoch_end(original):
+            @functools.wraps(original)
+            def on_epoch_end(self, epoch, logs=None):
+                original(self, epoch, logs)
+                _agree_on_stop(self, epoch)
+            return on_epoch_end
 
-        @functools.wraps(end_of_epoch)
-        def on_epoch_end(self, epoch, logs=None):
-            end_of_epoch(self, epoch, logs)
-            _agree_on_stop(self, epoch)
+        def check_after_restore(original):
+            @functools.wraps(original)
+            def on_train_begin(self, logs=None):
+                original(self, logs)
+                _check_restored_epoch(self)
+            return on_train_begin
 
-        callback_list.on_epoch_end = on_epoch_end
-
-        backup = keras.callbacks.BackupAndRestore
-        restore = backup.on_train_begin
-
-        @functools.wraps(restore)
-        def on_train_begin(self, logs=None):
-            restore(self, logs)
-            _check_restored_epoch(self)
-
-        backup.on_train_begin = on_train_begin
+        _tf_private.patch_keras_callback("CallbackList", "on_epoch_end", agree_at_epoch_end)
+        _tf_private.patch_keras_callback("BackupAndRestore", "on_train_begin",
+                                         check_after_restore)
         _installed = True
