@@ -58,7 +58,7 @@ def restored_epochs_error(epochs: Sequence[int | None], backup_dir) -> str | Non
                       for rank, e in enumerate(epochs))
     return (f"keras.callbacks.BackupAndRestore(backup_dir={backup_dir!r}): the workers "
             f"restored different states ({found}), so they would train different epochs and "
-            "hang. Every worker reads the chief's backup at this path: it must be on a "
+            "hang. Every worker reads the chief's backup at this path: it must be on a shared "
             "filesystem that every worker mounts at the same path (NFS, a cluster filesystem, "
             "a gs:// or s3:// bucket). Fix: put backup_dir there.")
 
