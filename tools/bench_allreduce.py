@@ -8,7 +8,7 @@ for tfdp's collectives and TensorFlow's default cross-device ops (MirroredStrate
 this host's measured memory-copy bandwidth as the ceiling; plus gradient reduction of many
 tensors with and without buckets and compression.
 
-    python tools/bench_allreduce.py          # ~4 min; writes docs/bench_allreduce.{md,csv,png}
+    python tools/bench_allreduce.py          # ~4 min; writes docs/benchmarks/bench_allreduce.{md,csv,png}
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ flags.DEFINE_integer("replicas", 4, "Logical CPU replicas.")
 flags.DEFINE_integer("min_kib", 4, "Smallest message, KiB.")
 flags.DEFINE_integer("max_mib", 256, "Largest message, MiB.")
 flags.DEFINE_integer("repeats", 5, "Timed repetitions per point (median reported).")
-flags.DEFINE_string("out", "docs/bench_allreduce", "Output prefix ('' to skip).")
+flags.DEFINE_string("out", "docs/benchmarks/bench_allreduce", "Output prefix ('' to skip).")
 
 
 def memcpy_bandwidth(nbytes=256 << 20):

@@ -7,7 +7,7 @@ per process); configurations are interleaved over rounds. Synthetic data built o
 once and repeated (``tf.data``, prefetched). Step time = wall time of an epoch of ``--steps``
 steps after a warm-up epoch (which includes XLA compilation), median over ``--epochs``.
 
-    python tools/bench_gpu.py                       # on a GPU host; writes docs/bench_gpu.{md,csv}
+    python tools/bench_gpu.py                       # on a GPU host; writes docs/benchmarks/bench_gpu.{md,csv}
     python tools/bench_gpu.py --tiny --out /tmp/b   # a CPU smoke run with tiny sizes
     python tools/bench_gpu.py --models resnet50 --precisions bf16 --batch 256
 
@@ -45,7 +45,7 @@ flags.DEFINE_integer("seq_len", 512, "Transformer sequence length.")
 flags.DEFINE_integer("layers", 6, "Transformer encoder layers.")
 flags.DEFINE_integer("width", 768, "Transformer model width (heads of 64).")
 flags.DEFINE_boolean("tiny", False, "Tiny sizes for a CPU smoke run.")
-flags.DEFINE_string("out", "docs/bench_gpu", "Output prefix for .md/.csv ('' to skip).")
+flags.DEFINE_string("out", "docs/benchmarks/bench_gpu", "Output prefix for .md/.csv ('' to skip).")
 flags.DEFINE_string("child", "", "Internal: 'model,config,precision' measured in this process.")
 
 TINY = {"image_size": 32, "seq_len": 16, "layers": 1, "width": 32, "batch": 2, "steps": 2,

@@ -10,7 +10,7 @@ feature), then measures, each the median of --repeats runs in this process (warm
   it (unknown steps), and without it but with ``num_examples``;
 * the opt-in counting pass ``tfdp.data.count_records`` (parallel, no parsing).
 
-    python tools/bench_input.py     # ~3 min on 2 cores; writes docs/data_input.{csv,png}
+    python tools/bench_input.py     # ~3 min on 2 cores; writes docs/benchmarks/data_input.{csv,png}
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ flags.DEFINE_integer("replicas", 2, "Logical CPU replicas.")
 flags.DEFINE_integer("global_batch", 256, "Global batch size.")
 flags.DEFINE_integer("repeats", 3, "Timed repetitions per measurement (median reported).")
 flags.DEFINE_bool("previous", True, "Also time the previous tfdp's up-front count (~1 min).")
-flags.DEFINE_string("out", "docs/data_input", "Output prefix ('' to skip).")
+flags.DEFINE_string("out", "docs/benchmarks/data_input", "Output prefix ('' to skip).")
 
 
 def write_files(tf, directory, num_files, records):

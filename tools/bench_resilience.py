@@ -13,7 +13,7 @@ Two workers on 127.0.0.1 (tfdp-run, 1 logical CPU replica each) train the benchm
 Then it preempts a running job (SIGTERM to tfdp-run) and reports the time to exit 143, the
 backup's size and the time to write it.
 
-    python tools/bench_resilience.py            # ~3 min; writes docs/bench_resilience.{md,csv,png}
+    python tools/bench_resilience.py            # ~3 min; writes docs/benchmarks/bench_resilience.{md,csv,png}
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ flags.DEFINE_list("configs", ["plain", "backup", "backup-every-10", "monitor"],
 flags.DEFINE_integer("rounds", 3, "Interleaved rounds of the three configurations.")
 flags.DEFINE_integer("steps", 150, "Measured steps per run (after 20 warm-up steps).")
 flags.DEFINE_integer("preemptions", 3, "SIGTERM-to-exit measurements.")
-flags.DEFINE_string("out", "docs/bench_resilience", "Output prefix ('' to skip writing).")
+flags.DEFINE_string("out", "docs/benchmarks/bench_resilience", "Output prefix ('' to skip writing).")
 flags.DEFINE_string("child", "", "Internal: configuration to run in this worker.")
 flags.DEFINE_string("backup_dir", "", "Internal: backup directory for --child.")
 

@@ -7,7 +7,7 @@ tf.distribute.MultiWorkerMirroredStrategy (stock is tried first; it fails with K
 the patched form is measured and the output says so). Also: input-pipeline throughput of
 tfdp.data against training throughput.
 
-    python tools/bench_step.py                  # ~8 min; writes docs/bench_step.{md,csv,png}
+    python tools/bench_step.py                  # ~8 min; writes docs/benchmarks/bench_step.{md,csv,png}
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ flags.DEFINE_integer("rounds", 2, "Interleaved rounds (each config once per roun
 flags.DEFINE_integer("windows", 5, "Measured windows per process (after warm-up).")
 flags.DEFINE_integer("steps", 20, "Steps per window.")
 flags.DEFINE_boolean("multi_worker", True, "Also run 2 workers through tfdp-run.")
-flags.DEFINE_string("out", "docs/bench_step", "Output prefix for .md/.csv/.png ('' to skip).")
+flags.DEFINE_string("out", "docs/benchmarks/bench_step", "Output prefix for .md/.csv/.png ('' to skip).")
 # Child-process flags.
 flags.DEFINE_string("child", "", "Internal: strategy to measure in this process.")
 flags.DEFINE_string("model", "mlp", "Internal: model for --child.")

@@ -12,7 +12,7 @@ hierarchical NVLink-then-network all-reduce only does better), fp32 gradients un
 --fp16_gradients, published per-GPU compute times. Compare: Horovod (Sergeev & Del Balso,
 2018) reports ~90% efficiency at 512 GPUs for ResNet-101 and Inception V3 on 25 Gb/s RoCE.
 
-    python tools/scaling_model.py          # instant; writes docs/scaling_model.{md,png}
+    python tools/scaling_model.py          # instant; writes docs/benchmarks/scaling_model.{md,png}
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ flags.DEFINE_float("overlap", 0.3, "Fraction of compute time that communication 
                    "(the backward pass is ~2/3 of a step; gradients of the last layers are ready first).")
 flags.DEFINE_float("link_efficiency", 0.7, "Achieved fraction of line rate for all-reduce traffic.")
 flags.DEFINE_boolean("fp16_gradients", False, "Gradients on the wire in fp16 (compression).")
-flags.DEFINE_string("out", "docs/scaling_model", "Output prefix ('' to skip).")
+flags.DEFINE_string("out", "docs/benchmarks/scaling_model", "Output prefix ('' to skip).")
 
 # name: (parameters, compute seconds per step at the stated per-GPU batch, source)
 MODELS = {

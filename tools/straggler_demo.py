@@ -7,7 +7,7 @@ forward pass does ``--compute_ms`` of work per step (a stand-in for a bigger mod
 ``tfdp.callbacks.StragglerMonitor`` names it; in the ``evict`` run (tfdp-run ``--min-workers 2
 --max-restarts 1``) the job backs up, restarts without it and continues on two workers.
 
-    python tools/straggler_demo.py          # ~2 min; writes docs/straggler.{md,png,csv}
+    python tools/straggler_demo.py          # ~2 min; writes docs/benchmarks/straggler.{md,png,csv}
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ flags.DEFINE_float("compute_ms", 20.0, "Work in the forward pass per step (ms)."
 flags.DEFINE_float("stop_ms", 150.0, "SIGSTOP phase of the duty cycle (ms).")
 flags.DEFINE_float("run_ms", 50.0, "SIGCONT phase of the duty cycle (ms).")
 flags.DEFINE_integer("window", 10, "StragglerMonitor window (steps).")
-flags.DEFINE_string("out", "docs/straggler", "Output prefix ('' to skip writing).")
+flags.DEFINE_string("out", "docs/benchmarks/straggler", "Output prefix ('' to skip writing).")
 flags.DEFINE_string("child", "", "Internal: run as a worker writing to this directory.")
 flags.DEFINE_boolean("evict", False, "Internal: StragglerMonitor(evict=True) in the worker.")
 

@@ -17,7 +17,7 @@ rounds: unsharded and ZeRO-1 without accumulation, and with k-step accumulation 
 Keras, ZeRO-2 "sharded" (a reduce-scatter every micro-batch) and ZeRO-2 "local" (one
 reduce-scatter per update); plus the bytes each replica sends per update.
 
-    python tools/zero_memory.py   # ~6 min; docs/zero_memory.{md,csv,png}, docs/zero_memory_times.csv
+    python tools/zero_memory.py   # ~6 min; docs/benchmarks/zero_memory.{md,csv,png}, docs/benchmarks/zero_memory_times.csv
 
 Importing this module defines no flags (the formulas are tested without running the tool).
 """
@@ -90,7 +90,7 @@ def define_flags():
     flags.DEFINE_integer("steps", 80, "Timed micro-batches per process (a multiple of k).")
     flags.DEFINE_string("child", "", "Internal: the variant to time in this process.")
     flags.DEFINE_string("child_model", "", "Internal: the model (depth x width) for --child.")
-    flags.DEFINE_string("out", "docs/zero_memory", "Output prefix for .md/.csv/.png ('' to skip).")
+    flags.DEFINE_string("out", "docs/benchmarks/zero_memory", "Output prefix for .md/.csv/.png ('' to skip).")
 
 
 # (label, accumulation, use_ema, ShardedOptimizer accumulation mode or None = unsharded)
