@@ -348,3 +348,28 @@ def test_without_chief_writes_the_workers_collide(tmp_path):
     shared_event_dirs = [d for d in glob.glob(str(out / "fit" / "tb" / "*"))
                          if len(glob.glob(os.path.join(d, "events.out.tfevents.*"))) > 1]
     assert (code != 0 and "unable to lock file" in output) or shared_event_dirs, output
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_the_documented_example_runs_on_two_workers(tmp_path):
+    """examples/keras_script.py as its docstring runs it (smaller): exit 0, the chief's report
+    once, the files written once at --out, nothing private left behind."""
+    out, temp = tmp_path / "ks-2", tmp_path / "worker-tmp"
+    temp.mkdir()
+    environ = dict(os.environ, TMPDIR=str(temp))
+    environ.pop("TF_CONFIG", None)
+    cmd = [sys.executable, "-m", "tfdp.run", "--workers", "2", "--", sys.executable,
+           os.path.join(ROOT, "examples", "keras_script.py"), "--out", str(out), "--epochs", "2",
+           "--width", "64"]
+    proc = subprocess.run(cmd, env=environ, capture_output=True, text=True, cwd=ROOT,
+                          timeout=LAUNCH_TIMEOUT)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    assert output.count("workers 2, replicas 2") == 1, output
+    assert output.count("ModelCheckpoint(.keras) per epoch: median") == 1, output
+    assert sorted(os.listdir(out)) == ["ckpt", "final.keras", "log.csv", "tb"]
+    assert sorted(os.listdir(out / "ckpt")) == [
+        "best.keras", "epoch-01.keras", "epoch-02.keras", "w-01.weights.h5", "w-02.weights.h5"]
+    assert len(open(out / "log.csv").read().strip().splitlines()) == 1 + 2  # header + 2 epochs
+    assert glob.glob(str(temp / "tfdp-worker*")) == []
