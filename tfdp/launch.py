@@ -55,6 +55,9 @@ __all__ = ["free_ports", "tf_configs", "Attempt", "LocalWorker", "RemoteWorker",
 
 PASSED_PREFIXES = ("TF_", "TFDP_", "CUDA_", "NCCL_")
 PASSED_NAMES = ("PYTHONPATH", "PYTHONUNBUFFERED")
+# How long tfdp-run waits, after the workers of an attempt are gone, for the rest of their
+# output (see Attempt.close).
+OUTPUT_DRAIN_SECONDS = 15.0
 # os.waitid (Linux; macOS from Python 3.13) lets a thread learn of an exit without reaping it,
 # which keeps the order in which workers exited. Without it the launcher polls.
 _HAVE_WAITID = hasattr(os, "waitid") and hasattr(os, "WNOWAIT")
@@ -494,7 +497,12 @@ class Attempt:
             return None
 
     def close(self):
+        # Every line a worker wrote reaches its log and the terminal before tfdp-run moves on:
+        # the pipes reach end-of-file as soon as the workers are gone, so this waits only for
+        # the pump threads (seconds on a loaded host; 2 s lost lines). The bound is for a
+        # worker's descendant that keeps the pipe open after the worker exited.
+        deadline = time.monotonic() + OUTPUT_DRAIN_SECONDS
         for worker in self.workers:
-            worker.join_output(timeout=2)
+            worker.join_output(timeout=max(0.0, deadline - time.monotonic()))
         for log in self.logs:
             log.close()
