@@ -74,6 +74,18 @@ def fit(backup_dir, replicas=4, kind="adam", crash_after=None, save_freq=4, shuf
     return model.get_weights(), steps.iterations
 
 
+_uninterrupted_runs = {}
+
+
+def uninterrupted(**kwargs):
+    """fit(None, **kwargs), run once per module: the reference several tests compare with
+    (each run is deterministic, so sharing it changes no assertion)."""
+    key = tuple(sorted(kwargs.items()))
+    if key not in _uninterrupted_runs:
+        _uninterrupted_runs[key] = fit(None, **kwargs)
+    return _uninterrupted_runs[key]
+
+
 def assert_close(a, b, tol=1e-5):
     for p, q in zip(a, b):
         np.testing.assert_allclose(p, q, rtol=tol, atol=tol)
@@ -81,7 +93,7 @@ def assert_close(a, b, tol=1e-5):
 
 @pytest.mark.parametrize("kind", ["adam", "sharded_adam"])
 def test_resume_mid_epoch_is_step_exact(tmp_path, kind):
-    want, ran = fit(None, kind=kind)
+    want, ran = uninterrupted(kind=kind)
     assert ran == list(range(1, 19))
     _, first = fit(tmp_path, kind=kind, crash_after=10)  # mid-epoch 1; backups at 4 and 8
     got, second = fit(tmp_path, kind=kind)
@@ -93,7 +105,7 @@ def test_resume_mid_epoch_is_step_exact(tmp_path, kind):
 
 @pytest.mark.slow
 def test_resume_on_another_replica_count(tmp_path):
-    want, _ = fit(None, replicas=4, kind="sharded_adam")
+    want, _ = uninterrupted(kind="sharded_adam")
     fit(tmp_path, replicas=4, kind="sharded_adam", crash_after=10)
     got, second = fit(tmp_path, replicas=2, kind="sharded_adam")
     assert second == list(range(9, 19))
@@ -103,7 +115,7 @@ def test_resume_on_another_replica_count(tmp_path):
 @pytest.mark.slow
 def test_backups_wait_for_the_update_boundary_with_accumulation(tmp_path):
     # k=4 micro-batches per update; save_freq=3 is due at 3, 6, 9 ... but taken at 4, 8, 12.
-    want, _ = fit(None, kind="adam", accumulation=4, shuffle=False)
+    want, _ = uninterrupted(kind="adam", accumulation=4, shuffle=False)
     backup = tmp_path / "b"
     fit(backup, kind="adam", accumulation=4, crash_after=None, save_freq=3, shuffle=False,
         delete_checkpoint=False)
@@ -136,7 +148,7 @@ def test_backups_wait_for_the_update_boundary_with_accumulation(tmp_path):
 
 
 def test_guard_a_resume_without_positioning_redoes_steps_and_says_so(tmp_path):
-    want, _ = fit(None, tfdp_input=False, shuffle=False)
+    want, _ = uninterrupted(tfdp_input=False, shuffle=False)
     fit(tmp_path, tfdp_input=False, crash_after=10)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -149,7 +161,7 @@ def test_guard_a_resume_without_positioning_redoes_steps_and_says_so(tmp_path):
 
 @pytest.mark.slow
 def test_an_incomplete_newer_backup_is_ignored(tmp_path):
-    want, _ = fit(None)
+    want, _ = uninterrupted(kind="adam")
     fit(tmp_path, crash_after=10)
     (tmp_path / ".incomplete-step-000000000012-4242").mkdir()  # a writer killed mid-way
     (tmp_path / ".incomplete-step-000000000012-4242" / "model.weights.h5").write_bytes(b"torn")
@@ -171,7 +183,7 @@ def test_save_freq_is_validated():
 def test_a_crash_inside_a_backup_write_resumes_from_the_previous_one(tmp_path, monkeypatch):
     # The third backup (step 12) dies after its weights are written, before the switch-in
     # rename: the job must resume from step 8's backup, with real Keras weights.
-    want, _ = fit(None)
+    want, _ = uninterrupted(kind="adam")
     from tfdp import resilience
     from tfdp.resilience import backups
     real_rename, calls = os.rename, []
@@ -204,7 +216,7 @@ def test_an_old_layout_backup_is_not_resumed_silently(tmp_path):
 def test_resume_from_a_tf_io_gfile_filesystem_is_step_exact():
     # TensorFlow's in-memory ram:// filesystem (tf.io.gfile, as gs:// and s3:// are reached).
     backup_dir = f"ram://tfdp-test-{os.getpid()}/backup"
-    want, _ = fit(None)
+    want, _ = uninterrupted(kind="adam")
     _, first = fit(backup_dir, crash_after=10)
     assert tf.io.gfile.exists(backup_dir + "/step-000000000008/meta.json")
     got, second = fit(backup_dir)

@@ -368,6 +368,7 @@ def test_the_documented_example_runs_on_two_workers(tmp_path):
     assert proc.returncode == 0, output
     assert output.count("workers 2, replicas 2") == 1, output
     assert output.count("ModelCheckpoint(.keras) per epoch: median") == 1, output
+    assert "INFO:tensorflow" not in output and "Epoch 2/2" in output, output
     assert sorted(os.listdir(out)) == ["ckpt", "final.keras", "log.csv", "tb"]
     assert sorted(os.listdir(out / "ckpt")) == [
         "best.keras", "epoch-01.keras", "epoch-02.keras", "w-01.weights.h5", "w-02.weights.h5"]
