@@ -1,10 +1,13 @@
-"""Shared helpers: deterministic data, models, and a train-and-compare routine."""
+"""Shared helpers: deterministic data, the models and optimizer lists several test modules
+use, and a train-and-compare routine."""
 
 from __future__ import annotations
 
 import numpy as np
 import tensorflow as tf
 import keras
+
+import tfdp
 
 
 def cpu_devices(n):
@@ -46,10 +49,45 @@ def convnet(classes=2):
     ])
 
 
+def deep_mlp():
+    """Six Dense layers of uneven widths: variables enough to shard over 4 replicas."""
+    return keras.Sequential([keras.Input((8,))] + [
+        keras.layers.Dense(w, activation="tanh") for w in (24, 16, 12, 20, 8)] + [keras.layers.Dense(3)])
+
+
+def many_variable_model():
+    """26 variables of many sizes, for the per-replica memory of sharded optimizer state."""
+    widths = [64, 48, 64, 32, 64, 40, 56, 32, 64, 48, 24, 64]
+    return keras.Sequential([keras.Input((32,))] + [keras.layers.Dense(w, activation="relu") for w in widths]
+                            + [keras.layers.Dense(10)])
+
+
 def mixed_precision_mlp(features=8, classes=3):
     """For the mixed_float16 policy: float32 logits, as Keras recommends."""
     return keras.Sequential([keras.Input((features,)), keras.layers.Dense(32, activation="relu"),
                              keras.layers.Dense(classes, dtype="float32")])
+
+
+# The optimizers ShardedOptimizer must match (tests/test_sharding.py): every update rule and
+# clipping path, each a factory of a fresh optimizer.
+SHARDING_OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+    "adam_global_clipnorm": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.3),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
+    "lars": lambda: tfdp.optimizers.LARS(2.0, weight_decay=1e-3),
+    "lamb": lambda: tfdp.optimizers.LAMB(0.02, weight_decay=1e-2, global_clipnorm=1.0),
+    "adam_clipnorm": lambda: keras.optimizers.Adam(0.01, clipnorm=0.05),
+}
+
+# The optimizers of the gradient-accumulation tests (tests/test_zero2.py, and
+# tests/zero2_cases.py for two workers): factories taking Keras optimizer arguments such as
+# gradient_accumulation_steps.
+ACCUMULATION_OPTIMIZERS = {
+    "adam_global_clipnorm": lambda **kw: keras.optimizers.Adam(0.01, global_clipnorm=0.3, **kw),
+    "adamw": lambda **kw: keras.optimizers.AdamW(0.01, weight_decay=0.05, **kw),
+    "lamb": lambda **kw: tfdp.optimizers.LAMB(0.02, weight_decay=1e-2, global_clipnorm=1.0, **kw),
+    "lars": lambda **kw: tfdp.optimizers.LARS(2.0, weight_decay=1e-3, **kw),
+}
 
 
 def initial_weights(model_fn, seed=1234):

@@ -13,10 +13,8 @@ import keras
 
 import tfdp
 from helpers import assert_weights_close, classification_data, cpu_devices, initial_weights, mlp
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import custom_loop  # noqa: E402  (the example's training functions; flags stay undefined)
+from launching import ROOT, tfdp_run_command
+import custom_loop  # examples/ (pytest's pythonpath): its training functions; flags stay undefined
 
 GLOBAL_BATCH = 32
 EPOCHS = 2
@@ -90,11 +88,12 @@ def _example(args, tfdp_run_workers=0, timeout=300):
     env = dict(os.environ)
     env.pop("TF_CONFIG", None)
     env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # the example sets what it needs itself
-    script = [sys.executable, os.path.join(ROOT, "examples", "custom_loop.py"), *args]
+    script = os.path.join(ROOT, "examples", "custom_loop.py")
+    cmd = [sys.executable, script, *args]
     if tfdp_run_workers:
-        script = [sys.executable, "-m", "tfdp.run", "--workers", str(tfdp_run_workers),
-                  "--cpu-replicas", "2", "--output", "all", "--", *script]
-    proc = subprocess.run(script, capture_output=True, text=True, timeout=timeout, env=env)
+        cmd = tfdp_run_command(script, *args, workers=tfdp_run_workers, cpu_replicas=2,
+                               flags=("--output", "all"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     return proc.returncode, proc.stdout, proc.stderr
 
 

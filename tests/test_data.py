@@ -3,7 +3,6 @@
 
 import logging
 import os
-import types
 
 import numpy as np
 import pytest
@@ -12,19 +11,7 @@ import tensorflow as tf
 import tfdp
 from tfdp import data as tdata
 from helpers import cpu_devices
-
-
-def collect(strategy, distributed):
-    """All element ids per step and replica: [[ids of replica 0, ids of replica 1, ...], ...]."""
-    steps = []
-    for batch in distributed:
-        ids = batch[0] if isinstance(batch, tuple) else batch
-        steps.append([np.asarray(v).tolist() for v in strategy.experimental_local_results(ids)])
-    return steps
-
-
-def flat(steps):
-    return sorted(i for step in steps for ids in step for i in ids)
+from data_helpers import collect, fake_workers, flat, global_steps, step_sets
 
 
 @pytest.fixture(scope="module")
@@ -143,64 +130,6 @@ def test_set_epoch_makes_the_order_a_function_of_seed_and_epoch(strategy):
     b.set_epoch(6)
     other = collect(strategy, b)
     assert other != first and flat(other) == list(range(64))
-
-
-# --- W workers in one process -------------------------------------------------------------------
-# Each "worker" calls distribute() itself, as every process of a real job does, with a strategy
-# stand-in that builds the worker's pipeline from its InputContext. Steps are taken as
-# TensorFlow's distributed iterator takes them: L consecutive per-replica batches per worker.
-# (The real multi-process runs are in test_multiworker.py and test_data_files.py.)
-
-class FakeWorker:
-    def __init__(self, index, num_workers, local_replicas):
-        self.index, self.local = index, local_replicas
-        self.num_replicas_in_sync = num_workers * local_replicas
-        self.cluster = types.SimpleNamespace(num_workers=num_workers)
-
-    def distribute_datasets_from_function(self, dataset_fn):
-        ctx = tf.distribute.InputContext(self.cluster.num_workers, self.index,
-                                         self.num_replicas_in_sync)
-        return FakeWorkerInput(dataset_fn(ctx), self.local)
-
-
-class FakeWorkerInput:
-    def __init__(self, dataset, local):
-        self.dataset, self.local = dataset, local
-
-    @property
-    def cardinality(self):  # what tfdp sets, as on TensorFlow's distributed dataset
-        return self._cardinality
-
-    def local_steps(self):
-        batches = []
-        for b in self.dataset:
-            ids = b[0] if isinstance(b, tuple) else b
-            batches.append(np.asarray(ids).tolist())
-        return [batches[i:i + self.local] for i in range(0, len(batches), self.local)]
-
-
-def fake_workers(num_workers, local_replicas, make_source, global_batch, **kwargs):
-    """One distribute() per worker; returns their inputs (FakeWorkerInput with set_epoch...)."""
-    return [tdata.distribute(FakeWorker(w, num_workers, local_replicas), make_source(),
-                             global_batch, **kwargs) for w in range(num_workers)]
-
-
-def global_steps(worker_inputs):
-    """Element ids of each global step (sorted), and each worker's ids, for one epoch."""
-    per_worker = [wi.local_steps() for wi in worker_inputs]
-    n = max(len(p) for p in per_worker)
-    steps = [sorted(i for p in per_worker if s < len(p) for b in p[s] for i in b) for s in range(n)]
-    return steps, [sorted(i for step in p for b in step for i in b) for p in per_worker]
-
-
-def step_sets(strategy, distributed):
-    """Element ids of each global step (sorted) from a real strategy's distributed dataset."""
-    return [sorted(i for ids in step for i in ids) for step in collect(strategy, distributed)]
-
-
-@pytest.fixture(scope="module")
-def strategy4():
-    return tfdp.DataParallelStrategy(devices=cpu_devices(4))
 
 
 # --- position ---------------------------------------------------------------------------------

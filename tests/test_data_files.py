@@ -1,26 +1,21 @@
 """tfdp.data on file pipelines written the TensorFlow way: TFRecordDataset(files),
 Dataset.list_files, from_tensor_slices(files).interleave(reader), text and fixed-length
 readers, over 5 files of uneven sizes. Exactly once on 1 worker x 4 replicas, on W workers in
-one process (each "worker" builds its own pipeline from its InputContext, see test_data.py),
+one process (each "worker" builds its own pipeline from its InputContext, see data_helpers.py),
 and on 2 real worker processes x 2 replicas (slow)."""
 
 import json
 import logging
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-import tfdp
 from tfdp import data as tdata
-from helpers import cpu_devices
-from test_data import collect, fake_workers, flat, global_steps
+from data_helpers import collect, fake_workers, flat, global_steps
+from launching import run_job, tfdp_run_command, worker_env, worker_script
 
 SIZES = [3, 17, 8, 30, 12]  # uneven on purpose; 70 records, ids 0..69 in file order
-HERE = os.path.dirname(os.path.abspath(__file__))
 ID_SPEC = tf.TensorSpec([], tf.int64)
 
 
@@ -69,11 +64,6 @@ def pipelines(d):
 INDEXED = {"tfrecord_list", "tfrecord_parallel_reads", "list_files", "slices_interleave"}
 PIPELINES = ["tfrecord_list", "tfrecord_parallel_reads", "list_files", "slices_interleave",
              "text_lines", "fixed_length"]
-
-
-@pytest.fixture(scope="module")
-def strategy4():
-    return tfdp.DataParallelStrategy(devices=cpu_devices(4))
 
 
 @pytest.mark.parametrize("name", PIPELINES)
@@ -202,20 +192,12 @@ def test_a_pattern_that_matches_the_index_is_refused(strategy4, data_dir):
 
 # --- real processes ---------------------------------------------------------------------------
 
-def launch(tmp_path, script, workers=2, cpu_replicas=2, timeout=240, **env):
-    environ = dict(os.environ, TFDP_TEST_OUT=str(tmp_path), TF_CPP_MIN_LOG_LEVEL="2")
-    environ.pop("TF_CONFIG", None)
-    environ.update({k: str(v) for k, v in env.items()})
-    cmd = [sys.executable, "-m", "tfdp.run", "--workers", str(workers), "--cpu-replicas",
-           str(cpu_replicas), "--", sys.executable, os.path.join(HERE, script)]
-    proc = subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=timeout)
-    return proc.returncode, proc.stdout + proc.stderr
-
-
 @pytest.mark.slow
 @pytest.mark.multiworker
 def test_two_worker_processes_exactly_once_native_and_batched(tmp_path, data_dir):
-    code, out = launch(tmp_path, "mw_data_files.py", TFDP_TEST_DATA=data_dir)
+    environ = worker_env(TFDP_TEST_OUT=tmp_path, TF_CPP_MIN_LOG_LEVEL=2, TFDP_TEST_DATA=data_dir)
+    code, out = run_job(tfdp_run_command(worker_script("mw_data_files.py"), cpu_replicas=2),
+                        environ, 240)
     assert code == 0, out
     results = [json.loads((tmp_path / f"files-{r}.json").read_text()) for r in range(2)]
     assert results[0].keys() == results[1].keys() and len(results[0]) >= 7

@@ -3,22 +3,17 @@ in this process; trainers are this process (1 worker x 4 replicas) or two real t
 processes x 2 replicas (slow)."""
 
 import json
-import os
 import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 import keras
 
-import tfdp
 from tfdp import data as tdata
-from helpers import classification_data, cpu_devices, initial_weights, mlp
-from test_data import collect, flat
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from helpers import classification_data, initial_weights, mlp
+from data_helpers import collect, flat
+from launching import run_job, tfdp_run_command, worker_env, worker_script
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +26,6 @@ def service():
     for w in workers:
         w.stop()
     dispatcher.stop()
-
-
-@pytest.fixture(scope="module")
-def strategy4():
-    return tfdp.DataParallelStrategy(devices=cpu_devices(4))
 
 
 def test_every_element_once_per_epoch_through_the_service(strategy4, service):
@@ -110,14 +100,10 @@ def test_service_refuses_what_it_cannot_do(strategy4, service):
 @pytest.mark.slow
 @pytest.mark.multiworker
 def test_two_worker_processes_train_from_the_service(tmp_path, service):
-    environ = dict(os.environ, TFDP_TEST_OUT=str(tmp_path), TFDP_TEST_SERVICE=service,
-                   TF_CPP_MIN_LOG_LEVEL="2")
-    environ.pop("TF_CONFIG", None)
-    cmd = [sys.executable, "-m", "tfdp.run", "--workers", "2", "--cpu-replicas", "2", "--",
-           sys.executable, os.path.join(HERE, "mw_data_service.py")]
-    proc = subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=240)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+    environ = worker_env(TFDP_TEST_OUT=tmp_path, TFDP_TEST_SERVICE=service, TF_CPP_MIN_LOG_LEVEL=2)
+    code, out = run_job(tfdp_run_command(worker_script("mw_data_service.py"), cpu_replicas=2),
+                        environ, 240)
+    assert code == 0, out
     results = [json.loads((tmp_path / f"service-{r}.json").read_text()) for r in range(2)]
     for epoch in range(2):  # the two trainers together saw every element once, each epoch
         union = sorted(results[0]["epochs"][epoch] + results[1]["epochs"][epoch])

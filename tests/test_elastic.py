@@ -8,16 +8,14 @@ global batch, and with it every step's set of examples, stays the same.
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
-import time
 
-import numpy as np
 import pytest
 
-from test_preemption import (WORKER, assert_same_weights, environment, finish, launcher, run,
-                             start, steps_run, wait_for_file, weights)
+from launching import finish_job, run_job, start_job, wait_for_file
+from resume_job import (TIMEOUT, WORKER, assert_same_weights, environment, launcher, steps_run,
+                        weights)
 
 pytestmark = [pytest.mark.multiworker, pytest.mark.slow]
 KNOBS = dict(TFDP_TEST_N=240, TFDP_TEST_GLOBAL_BATCH=24)  # 10 steps per epoch
@@ -26,7 +24,7 @@ STEPS = 30
 
 def one_process(out, **knobs):
     env = environment(out, None, TFDP_CPU_REPLICAS=1, **{**KNOBS, **knobs})
-    code, log = run([sys.executable, WORKER], env)
+    code, log = run_job([sys.executable, WORKER], env, TIMEOUT)
     assert code == 0, log
     return weights(out)
 
@@ -48,10 +46,11 @@ def read_steps(out, slot):
 @pytest.mark.parametrize("opt", ["adam", "sharded_adam"])
 def test_a_lost_host_is_dropped_and_the_job_ends_like_one_device(tmp_path, reference, opt):
     # Slot 2 dies mid-epoch 1 and fails at every start after that (its host is gone).
-    code, log = run(launcher(workers=3, cpu_replicas=1,
-                             extra=("--max-restarts", "3", "--min-workers", "2")),
-                    environment(tmp_path, tmp_path / "backup", TFDP_TEST_OPT=opt,
-                                TFDP_TEST_FAIL="2:14:kill", TFDP_TEST_BROKEN_SLOT=2, **KNOBS))
+    code, log = run_job(launcher(workers=3, cpu_replicas=1,
+                                 extra=("--max-restarts", "3", "--min-workers", "2")),
+                        environment(tmp_path, tmp_path / "backup", TFDP_TEST_OPT=opt,
+                                    TFDP_TEST_FAIL="2:14:kill", TFDP_TEST_BROKEN_SLOT=2, **KNOBS),
+                        TIMEOUT)
     assert code == 0, log
     assert "worker 2 dropped" in log and "continuing on 2 workers" in log, log
     records = steps_run(tmp_path, slot=0)
@@ -64,10 +63,11 @@ def test_a_lost_host_is_dropped_and_the_job_ends_like_one_device(tmp_path, refer
 
 def test_a_two_worker_backup_resumes_on_three_workers(tmp_path, reference):
     backup = tmp_path / "backup"
-    code, log = run(launcher(workers=2, cpu_replicas=1),
-                    environment(tmp_path, backup, TFDP_TEST_FAIL="1:14:kill", **KNOBS))
+    code, log = run_job(launcher(workers=2, cpu_replicas=1),
+                        environment(tmp_path, backup, TFDP_TEST_FAIL="1:14:kill", **KNOBS), TIMEOUT)
     assert code == 137, log
-    code, log = run(launcher(workers=3, cpu_replicas=1), environment(tmp_path, backup, **KNOBS))
+    code, log = run_job(launcher(workers=3, cpu_replicas=1), environment(tmp_path, backup, **KNOBS),
+                        TIMEOUT)
     assert code == 0, log
     assert "3 workers, 3 replicas" in log
     resumed = [it for a, _, it in steps_run(tmp_path)][14:]
@@ -79,9 +79,9 @@ def test_an_indivisible_global_batch_on_the_new_size_is_a_clear_error(tmp_path):
     # A 2-worker job at global batch 20 cannot resume on 3 replicas at the same global batch.
     env = environment(tmp_path, tmp_path / "backup", TFDP_TEST_N=200, TFDP_TEST_GLOBAL_BATCH=20,
                       TFDP_TEST_FAIL="1:3:kill")
-    code, log = run(launcher(workers=2, cpu_replicas=1), env)
+    code, log = run_job(launcher(workers=2, cpu_replicas=1), env, TIMEOUT)
     assert code == 137, log
-    code, log = run(launcher(workers=3, cpu_replicas=1), env)
+    code, log = run_job(launcher(workers=3, cpu_replicas=1), env, TIMEOUT)
     assert code != 0
     assert "global_batch_size=20 is not divisible by the 3 replicas" in log, log
     assert not [l for l in log.splitlines() if "steps-slot" in l]
@@ -118,14 +118,14 @@ def slowed_job(tmp_path, evict):
     env = environment(tmp_path, tmp_path / "backup", TFDP_TEST_MONITOR=8, TFDP_TEST_EPOCHS=6,
                       TFDP_TEST_COMPUTE_MS=20,
                       TFDP_TEST_SAVE_FREQ=10, **({"TFDP_TEST_EVICT": 1} if evict else {}), **KNOBS)
-    proc = start(launcher(workers=3, cpu_replicas=1, extra=extra), env)
-    wait_for_file(tmp_path / "pid-slot2-attempt0", proc)
+    proc = start_job(launcher(workers=3, cpu_replicas=1, extra=extra), env)
+    wait_for_file(tmp_path / "pid-slot2-attempt0", proc, TIMEOUT)
     with open(tmp_path / "pid-slot2-attempt0") as f:
         slow = DutyCycle(int(f.read()))
-    wait_for_file(tmp_path / "steps-slot2.txt", proc)  # training has started
+    wait_for_file(tmp_path / "steps-slot2.txt", proc, TIMEOUT)  # training has started
     slow.start()
     try:
-        code, log = finish(proc)
+        code, log = finish_job(proc, TIMEOUT)
     finally:
         slow.done.set()
         slow.join()

@@ -3,15 +3,13 @@ filter of TensorFlow's startup notices, and the README's example commands. Moved
 test_rough_edges.py."""
 
 import os
-import subprocess
 import sys
 
 import pytest
 
+from launching import ROOT, run_job, tfdp_run_command
 from output_checks import noise_lines
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 LAUNCH_TIMEOUT = 240
 
 # The warning the examples used to print (Keras 3.15, fit on a dataset with shuffle=True).
@@ -37,8 +35,7 @@ def test_noise_check_catches_keras_and_tensorflow_warnings():
 
 
 def test_examples_drop_only_tensorflows_startup_notices():
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    import common
+    import common  # examples/common.py (examples/ is on pytest's pythonpath)
 
     assert common.drop_startup_notices(CAPTURED_TF_IMPORT_STDERR) == ""
     # Guard: anything else written during the import stays, including TF's own errors.
@@ -52,9 +49,7 @@ def _run_readme_command(cmd, timeout=LAUNCH_TIMEOUT):
     env = dict(os.environ)
     env.pop("TF_CONFIG", None)
     env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # the examples set what they need themselves
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=ROOT)
-    return proc.returncode, proc.stdout + proc.stderr
+    return run_job(cmd, env, timeout, cwd=ROOT)
 
 
 @pytest.mark.slow
@@ -71,10 +66,8 @@ def test_keras_fit_example_prints_no_warnings():
 @pytest.mark.multiworker
 def test_multi_worker_example_prints_no_warnings(tmp_path):
     # README: tfdp-run --workers 2 --cpu-replicas 2 -- python examples/multi_worker.py
-    code, out = _run_readme_command(
-        [sys.executable, "-m", "tfdp.run", "--workers", "2", "--cpu-replicas", "2", "--",
-         sys.executable, "examples/multi_worker.py", "--epochs", "1",
-         "--model_dir", str(tmp_path)])
+    code, out = _run_readme_command(tfdp_run_command(
+        "examples/multi_worker.py", "--epochs", "1", "--model_dir", tmp_path, cpu_replicas=2))
     assert code == 0, out
     assert "[w0] saved" in out, out
     assert noise_lines(out) == [], out

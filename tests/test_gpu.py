@@ -1,5 +1,5 @@
 """The GPU tier (``pytest -m gpu``): what only a GPU can show. Skipped, with the reason, on
-hosts without one. Each scenario runs in its own process (tests/gpu_worker.py), because
+hosts without one. Each scenario runs in its own process (tests/workers/gpu_worker.py), because
 logical GPUs must be configured before TensorFlow starts.
 
 Covered: fit equivalence with and without XLA on every GPU (logical GPUs on a one-GPU host),
@@ -9,8 +9,6 @@ fallback (auto -> ring, nccl refused), and ``tfdp-run --workers 2`` on one GPU.
 """
 
 import json
-import os
-import subprocess
 import sys
 
 import numpy as np
@@ -19,8 +17,8 @@ import tensorflow as tf
 
 import xla_cases
 from helpers import mlp, train
+from launching import run_job, tfdp_run_command, worker_env, worker_script
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 PHYSICAL_GPUS = len(tf.config.list_physical_devices("GPU"))
 TIMEOUT = 900
 TOLERANCE = 1e-5  # TF32 is off in the worker: float32 matmuls are exact float32
@@ -37,12 +35,12 @@ needs_two_gpus = pytest.mark.skipif(PHYSICAL_GPUS < 2, reason="NCCL needs two ph
 
 def run_scenario(tmp_path, scenario, logical=0):
     out = tmp_path / f"{scenario}.json"
-    cmd = [sys.executable, os.path.join(HERE, "gpu_worker.py"), scenario, str(out)]
+    cmd = [sys.executable, worker_script("gpu_worker.py"), scenario, str(out)]
     if logical:
         cmd += ["--logical", str(logical)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(out.read_text()), proc.stdout + proc.stderr
+    code, output = run_job(cmd, worker_env(), TIMEOUT)
+    assert code == 0, output
+    return json.loads(out.read_text()), output
 
 
 def assert_fit_equivalence(fit):
@@ -90,14 +88,9 @@ def test_bf16_compression_on_gpus_is_a_clear_error(tmp_path):
 def test_tfdp_run_two_workers_on_one_gpu(tmp_path):
     # The first thing people try on a one-GPU workstation: both workers see GPU 0, so
     # "auto" must pick ring (NCCL would fail with 'invalid usage').
-    environ = dict(os.environ, TFDP_TEST_OUT=str(tmp_path), TF_CPP_MIN_LOG_LEVEL="2",
-                   CUDA_VISIBLE_DEVICES="0")
-    environ.pop("TF_CONFIG", None)
-    cmd = [sys.executable, "-m", "tfdp.run", "--workers", "2", "--",
-           sys.executable, os.path.join(HERE, "mw_xla_worker.py")]
-    proc = subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=TIMEOUT)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+    environ = worker_env(TFDP_TEST_OUT=tmp_path, TF_CPP_MIN_LOG_LEVEL=2, CUDA_VISIBLE_DEVICES=0)
+    code, out = run_job(tfdp_run_command(worker_script("mw_xla_worker.py")), environ, TIMEOUT)
+    assert code == 0, out
     assert "uses ring collectives" in out, out
     for opt_name, make in sorted(xla_cases.OPTIMIZERS.items()):
         saved = np.load(tmp_path / f"{opt_name}-0.npz")

@@ -4,7 +4,8 @@ The process tests start a real sshd on 127.0.0.2 and 127.0.0.3 (one port; a clie
 key made for the test) and reach it through an ssh_config whose aliases tfdp-a, tfdp-b name
 those addresses and tfdp-down names 127.0.0.4, where nothing listens (a host whose sshd is
 down). They are skipped, with the reason, where OpenSSH's server is not installed (CI installs
-it). Workers are tests/fake_worker.py (TensorFlow-free) except for the training equivalence.
+it). Workers are tests/workers/fake_worker.py (TensorFlow-free) except for the training
+equivalence.
 Every wait is bounded; only processes the tests started are signalled, by pid.
 """
 
@@ -20,14 +21,14 @@ import time
 import numpy as np
 import pytest
 
+from launching import fake_worker_starts, wait_until, worker_env, worker_script
 from procs import process_alive
 from tfdp import hosts as hosts_lib
 from tfdp import launch
 from tfdp.cluster import ClusterConfig
 from tfdp.hosts import Host, HostsError
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-FAKE_WORKER = os.path.join(HERE, "fake_worker.py")
+FAKE_WORKER = worker_script("fake_worker.py")
 TIMEOUT = 90
 SSHD = shutil.which("sshd") or ("/usr/sbin/sshd" if os.path.exists("/usr/sbin/sshd") else None)
 
@@ -187,24 +188,6 @@ def _env(tmp_path, plan):
 FAKE_FLAGS = ("-x", "FAKE_OUT", "-x", "FAKE_PLAN", "-x", "FAKE_EXTRA")
 
 
-def _records(tmp_path):
-    found = {}
-    for name in os.listdir(tmp_path):
-        if name.startswith("start-") and name.endswith(".json"):
-            r = json.loads((tmp_path / name).read_text())
-            found[(r["slot"], r["attempt"])] = r
-    return found
-
-
-def _wait_for(predicate, what, seconds=TIMEOUT):
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)  # polling files and processes; the deadline bounds it
-
-
-
-
 class Job:
     """tfdp-run in the background (own session), to signal it and its ssh processes."""
 
@@ -232,16 +215,16 @@ def test_killed_remote_worker_is_restarted_over_ssh(sshd, tmp_path):
     plan = {"*@0": "block"}  # attempt 1: every worker finishes
     job = Job(_command(sshd, "tfdp-a:2,tfdp-b:2", "--max-restarts", "1", *FAKE_FLAGS),
               _env(tmp_path, plan))
-    _wait_for(lambda: all((tmp_path / f"stepped-s{s}-a0").exists() for s in range(4))
-              or job.proc.poll() is not None, "4 workers to train")
-    os.kill(_records(tmp_path)[(3, 0)]["pid"], signal.SIGKILL)  # worker 3, on host tfdp-b
+    wait_until(lambda: all((tmp_path / f"stepped-s{s}-a0").exists() for s in range(4))
+               or job.proc.poll() is not None, "4 workers to train", TIMEOUT)
+    os.kill(fake_worker_starts(tmp_path)[(3, 0)]["pid"], signal.SIGKILL)  # worker 3, on host tfdp-b
     code, out = job.finish()
     assert code == 0, out
     assert "[tfdp-run] restart 1/1: worker 3 exited with 137 (SIGKILL)\n" in out
     assert "worker 3 failed (rank 3, slot 3, host tfdp-b)" in out
     # The survivors, on both hosts, got tfdp-run's SIGTERM through ssh.
     assert all((tmp_path / f"SIGTERM-s{s}-a0").exists() for s in (0, 1, 2)), out
-    seen = _records(tmp_path)
+    seen = fake_worker_starts(tmp_path)
     assert sorted(seen) == [(s, a) for s in range(4) for a in (0, 1)]
     for (slot, attempt), r in seen.items():
         config = ClusterConfig.from_dict(r["tf_config"])
@@ -262,16 +245,16 @@ def test_sigterm_reaches_remote_workers_and_no_worker_outlives_its_ssh(sshd, tmp
     job = Job(_command(sshd, "tfdp-a:1,tfdp-b:1", "--network-interface", "tfdp-b=lo",
                        *FAKE_FLAGS, addresses=ADDRESSES[:2]),
               _env(tmp_path / "term", {"*@*": "block"}))
-    _wait_for(lambda: all((tmp_path / "term" / f"stepped-s{s}-a0").exists() for s in (0, 1))
-              or job.proc.poll() is not None, "2 workers to train")
+    wait_until(lambda: all((tmp_path / "term" / f"stepped-s{s}-a0").exists() for s in (0, 1))
+               or job.proc.poll() is not None, "2 workers to train", TIMEOUT)
     job.proc.send_signal(signal.SIGTERM)
     code, out = job.finish()
     assert code == 143, out
     assert all((tmp_path / "term" / f"SIGTERM-s{s}-a0").exists() for s in (0, 1)), out
     # --network-interface: tfdp-b's address was looked up on tfdp-b (its "lo" is 127.0.0.1).
     assert "host tfdp-b: worker(s) [1] at 127.0.0.1" in out
-    assert _records(tmp_path / "term")[(0, 0)]["tf_config"]["cluster"]["worker"][1].startswith(
-        "127.0.0.1:")
+    term = fake_worker_starts(tmp_path / "term")
+    assert term[(0, 0)]["tf_config"]["cluster"]["worker"][1].startswith("127.0.0.1:")
 
     # SIGKILL one ssh client: the remote side kills its worker (no SIGTERM: it never heard of
     # one), tfdp-run stops the others; SIGKILL tfdp-run itself: no remote worker survives.
@@ -280,9 +263,9 @@ def test_sigterm_reaches_remote_workers_and_no_worker_outlives_its_ssh(sshd, tmp
         os.makedirs(out_dir)
         job = Job(_command(sshd, "tfdp-a:2,tfdp-b:2", *FAKE_FLAGS),
                   _env(out_dir, {"*@*": "block"}))
-        _wait_for(lambda: all((out_dir / f"stepped-s{s}-a0").exists() for s in range(4))
-                  or job.proc.poll() is not None, "4 workers to train")
-        pids = [r["pid"] for r in _records(out_dir).values()]
+        wait_until(lambda: all((out_dir / f"stepped-s{s}-a0").exists() for s in range(4))
+                   or job.proc.poll() is not None, "4 workers to train", TIMEOUT)
+        pids = [r["pid"] for r in fake_worker_starts(out_dir).values()]
         assert len(pids) == 4 and all(process_alive(p) for p in pids)
         if case == "ssh":
             os.kill(job.children()[0], signal.SIGKILL)
@@ -292,8 +275,8 @@ def test_sigterm_reaches_remote_workers_and_no_worker_outlives_its_ssh(sshd, tmp
         else:
             job.proc.kill()
             job.proc.wait()
-        _wait_for(lambda: not any(process_alive(p) for p in pids),
-                  f"workers {pids} to end ({case})")
+        wait_until(lambda: not any(process_alive(p) for p in pids),
+                   f"workers {pids} to end ({case})", TIMEOUT)
 
 
 @pytest.mark.slow
@@ -307,7 +290,7 @@ def test_host_whose_sshd_is_down_is_dropped_under_min_workers(sshd, tmp_path):
     assert "restart 1/2: cannot reach host tfdp-down (worker(s) [2, 3])" in out
     assert ("workers [2, 3] dropped: host tfdp-down could not be reached again after restart 1; "
             "continuing on 2 workers") in out
-    seen = _records(tmp_path)
+    seen = fake_worker_starts(tmp_path)
     assert sorted(seen) == [(0, 2), (1, 2)]
     assert [len(r["tf_config"]["cluster"]["worker"]) for r in seen.values()] == [2, 2]
 
@@ -322,7 +305,7 @@ def test_host_whose_sshd_is_down_fails_the_job_naming_it(sshd, tmp_path):
     assert ("[tfdp-run] cannot reach host tfdp-down: ssh exited 255: ssh: connect to host "
             "127.0.0.4 port ") in out and "Connection refused" in out
     assert "did not join" not in out  # ssh's own error, not the start watchdog
-    assert _records(tmp_path) == {}  # no worker was started
+    assert fake_worker_starts(tmp_path) == {}  # no worker was started
 
 
 @pytest.mark.slow
@@ -332,12 +315,11 @@ def test_two_hosts_two_workers_each_train_like_one_device(sshd, tmp_path):
     import keras
 
     global_batch = 32
-    env = dict(os.environ, TFDP_TEST_OUT=str(tmp_path), TFDP_TEST_GLOBAL_BATCH=str(global_batch),
-               TMPDIR=str(tmp_path))
-    env.pop("TF_CONFIG", None)
+    # worker_env's PYTHONPATH (tests/helpers.py) reaches the remote workers: tfdp-run passes it.
+    env = worker_env(TFDP_TEST_OUT=tmp_path, TFDP_TEST_GLOBAL_BATCH=global_batch, TMPDIR=tmp_path)
     proc = subprocess.run(
         _command(sshd, "tfdp-a:2,tfdp-b:2", "--cpu-replicas", "1",
-                 worker=(sys.executable, os.path.join(HERE, "mw_worker.py"))),
+                 worker=(sys.executable, worker_script("mw_worker.py"))),
         env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out

@@ -12,13 +12,12 @@ import sys
 import numpy as np
 import pytest
 
+import large_batch_core as core  # tools/ is on pytest's pythonpath
+import large_batch_data
+import large_batch_sweep
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(ROOT, "tools")
-sys.path.insert(0, TOOLS)
-
-import large_batch_core as core  # noqa: E402
-import large_batch_data  # noqa: E402
-import large_batch_sweep  # noqa: E402
 
 SCRIPT = os.path.join(TOOLS, "large_batch.py")
 

@@ -16,22 +16,17 @@ import tensorflow as tf
 import keras
 
 from helpers import classification_data, initial_weights, mlp, train
+from launching import run_job, start_job, tfdp_run_command, worker_env, worker_script
 
 pytestmark = [pytest.mark.multiworker, pytest.mark.slow]
-HERE = os.path.dirname(os.path.abspath(__file__))
 LAUNCH_TIMEOUT = 240
 
 
 def launch(tmp_path, workers=2, cpu_replicas=1, script="mw_worker.py", extra_args=(), **env):
-    environ = dict(os.environ, TFDP_TEST_OUT=str(tmp_path), TF_CPP_MIN_LOG_LEVEL="2")
-    environ.pop("TF_CONFIG", None)
-    environ.update({k: str(v) for k, v in env.items()})
-    cmd = [sys.executable, "-m", "tfdp.run", "--workers", str(workers),
-           "--cpu-replicas", str(cpu_replicas), *extra_args, "--",
-           sys.executable, os.path.join(HERE, script)]
-    proc = subprocess.run(cmd, env=environ, capture_output=True, text=True,
-                          timeout=LAUNCH_TIMEOUT)
-    return proc.returncode, proc.stdout + proc.stderr
+    environ = worker_env(TFDP_TEST_OUT=tmp_path, TF_CPP_MIN_LOG_LEVEL=2, **env)
+    cmd = tfdp_run_command(worker_script(script), workers=workers, cpu_replicas=cpu_replicas,
+                           flags=extra_args)
+    return run_job(cmd, environ, LAUNCH_TIMEOUT)
 
 
 def load(tmp_path, rank):
@@ -105,13 +100,8 @@ def test_worker_that_never_joins_ends_the_job(tmp_path):
 
 
 def test_ctrl_c_is_forwarded_and_stops_everything(tmp_path):
-    environ = dict(os.environ, TFDP_TEST_OUT=str(tmp_path), TFDP_TEST_EPOCHS="100000")
-    environ.pop("TF_CONFIG", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tfdp.run", "--workers", "2", "--output", "all", "--", sys.executable,
-         os.path.join(HERE, "mw_worker.py")],
-        env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+    proc = start_job(tfdp_run_command(worker_script("mw_worker.py"), flags=("--output", "all")),
+                     worker_env(TFDP_TEST_OUT=tmp_path, TFDP_TEST_EPOCHS=100000))
     lines = []
     try:
         deadline = time.monotonic() + LAUNCH_TIMEOUT

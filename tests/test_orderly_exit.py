@@ -2,18 +2,15 @@
 chief's wait for its peers, and real 3-worker runs on 127.0.0.1 through tfdp-run that end
 without error lines. Moved from test_rough_edges.py."""
 
-import os
 import socket
-import subprocess
-import sys
 import threading
 
 import pytest
 
 from tfdp import strategy as strategy_lib
+from launching import run_job, tfdp_run_command, worker_env, worker_script
 from output_checks import error_lines
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 LAUNCH_TIMEOUT = 240
 
 
@@ -88,14 +85,9 @@ def test_chief_waits_until_peer_processes_are_gone():
 
 
 def _launch_clean(workers=3, **env):
-    environ = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    environ.pop("TF_CONFIG", None)
-    environ.update({k: str(v) for k, v in env.items()})
-    cmd = [sys.executable, "-m", "tfdp.run", "--workers", str(workers), "--output", "all", "--",
-           sys.executable, os.path.join(HERE, "mw_clean_worker.py")]
-    proc = subprocess.run(cmd, env=environ, capture_output=True, text=True,
-                          timeout=LAUNCH_TIMEOUT)
-    return proc.returncode, proc.stdout + proc.stderr
+    cmd = tfdp_run_command(worker_script("mw_clean_worker.py"), workers=workers,
+                           flags=("--output", "all"))
+    return run_job(cmd, worker_env(TF_CPP_MIN_LOG_LEVEL=2, **env), LAUNCH_TIMEOUT)
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """tfdp-run: argument handling, and the launcher with tiny TensorFlow-free workers.
 
-The process tests start tests/fake_worker.py (no TensorFlow), which speaks the launcher
+The process tests start tests/workers/fake_worker.py (no TensorFlow), which speaks the launcher
 protocol (ready, progress and evict files) and acts per slot and attempt as FAKE_PLAN says.
 They wait for files with a bounded deadline, never for a fixed time, and stop only what they
 started (the launcher's process group; the launcher stops its workers)."""
@@ -11,15 +11,15 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
+from launching import (fake_worker_starts, finish_job, run_job, start_job, tfdp_run_command,
+                       wait_until, worker_env, worker_script)
 from tfdp import run
 from tfdp.cluster import ClusterConfig
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-FAKE_WORKER = os.path.join(HERE, "fake_worker.py")
+FAKE_WORKER = worker_script("fake_worker.py")
 LAUNCH_TIMEOUT = 60
 
 
@@ -84,8 +84,7 @@ def test_terminal_shows_the_chief_and_the_failed_workers_tail(tmp_path):
     script = tmp_path / "w.py"
     script.write_text(HELLO)
     logs = tmp_path / "logs"
-    proc = subprocess.run([sys.executable, "-m", "tfdp.run", "--workers", "2", "--log-dir",
-                           str(logs), "--", sys.executable, str(script)],
+    proc = subprocess.run(tfdp_run_command(script, flags=("--log-dir", logs)),
                           capture_output=True, text=True, timeout=60)
     out = proc.stdout
     assert proc.returncode == 7, out
@@ -103,8 +102,8 @@ def test_terminal_shows_the_chief_and_the_failed_workers_tail(tmp_path):
 def test_output_all_shows_every_worker_prefixed(tmp_path):
     script = tmp_path / "w.py"
     script.write_text(HELLO)
-    proc = subprocess.run([sys.executable, "-m", "tfdp.run", "--workers", "2", "--output", "all",
-                           "--log-dir", str(tmp_path / "logs"), "--", sys.executable, str(script)],
+    proc = subprocess.run(tfdp_run_command(script, flags=("--output", "all", "--log-dir",
+                                                          tmp_path / "logs")),
                           capture_output=True, text=True, timeout=60)
     out = proc.stdout
     assert proc.returncode == 7, out
@@ -114,9 +113,8 @@ def test_output_all_shows_every_worker_prefixed(tmp_path):
             f"full log: {tmp_path}/logs/attempt-0/worker-1.log") in out
     ok = tmp_path / "ok.py"
     ok.write_text("import os; print(os.environ['TF_CONFIG'])")
-    proc = subprocess.run([sys.executable, "-m", "tfdp.run", "--workers", "3", "--output", "all",
-                           "--", sys.executable, str(ok)], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(tfdp_run_command(ok, workers=3, flags=("--output", "all")),
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.count('"worker": ["127.0.0.1:') == 3
 
 
@@ -130,8 +128,7 @@ def test_workers_do_not_print_tensorflow_cpp_info_lines_by_default(tmp_path, fla
     script = tmp_path / "w.py"
     script.write_text("import os; print('level', os.environ.get('TF_CPP_MIN_LOG_LEVEL'))")
     environ = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
-    proc = subprocess.run([sys.executable, "-m", "tfdp.run", "--workers", "1", *flags,
-                           "--log-dir", str(tmp_path), "--", sys.executable, str(script)],
+    proc = subprocess.run(tfdp_run_command(script, workers=1, flags=(*flags, "--log-dir", tmp_path)),
                           capture_output=True, text=True, timeout=60, env={**environ, **env})
     assert proc.returncode == 0 and f"[w0] level {expected}\n" in proc.stdout, proc.stdout
 
@@ -150,8 +147,7 @@ def test_failure_report_is_the_last_40_lines(tmp_path):
 def test_job_timeout(tmp_path):
     script = tmp_path / "sleepy.py"
     script.write_text("import time\nwhile True: time.sleep(0.1)")
-    proc = subprocess.run([sys.executable, "-m", "tfdp.run", "--workers", "2", "--timeout", "2",
-                           "--start-timeout", "0", "--", sys.executable, str(script)],
+    proc = subprocess.run(tfdp_run_command(script, flags=("--timeout", "2", "--start-timeout", "0")),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == run.EXIT_TIMEOUT
     assert "exceeded --timeout 2 s" in proc.stdout
@@ -161,39 +157,16 @@ def test_job_timeout(tmp_path):
 
 def _fake_env(tmp_path, plan):
     # TMPDIR: tfdp-run's default log directory lands in the test's own directory.
-    env = dict(os.environ, FAKE_OUT=str(tmp_path), FAKE_PLAN=json.dumps(plan), TMPDIR=str(tmp_path))
-    env.pop("TF_CONFIG", None)
-    return env
+    return worker_env(FAKE_OUT=tmp_path, FAKE_PLAN=json.dumps(plan), TMPDIR=tmp_path)
 
 
 def _command(*flags, workers=2):
-    return [sys.executable, "-m", "tfdp.run", "--workers", str(workers), *flags, "--",
-            sys.executable, FAKE_WORKER]
+    return tfdp_run_command(FAKE_WORKER, workers=workers, flags=flags)
 
 
 def launch_fake(tmp_path, plan, *flags, workers=2):
     """Runs tfdp-run over fake workers to the end; returns (exit code, output)."""
-    proc = subprocess.run(_command(*flags, workers=workers), env=_fake_env(tmp_path, plan),
-                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
-    return proc.returncode, proc.stdout + proc.stderr
-
-
-def records(tmp_path):
-    """{(slot, attempt): what that worker saw at start}."""
-    found = {}
-    for name in os.listdir(tmp_path):
-        if name.startswith("start-") and name.endswith(".json"):
-            with open(tmp_path / name) as f:
-                r = json.load(f)
-            found[(r["slot"], r["attempt"])] = r
-    return found
-
-
-def wait_for(predicate, what, seconds=LAUNCH_TIMEOUT):
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)  # polling a file; the deadline bounds it
+    return run_job(_command(*flags, workers=workers), _fake_env(tmp_path, plan), LAUNCH_TIMEOUT)
 
 
 class Running:
@@ -201,23 +174,15 @@ class Running:
 
     def __init__(self, tmp_path, plan, *flags, workers=2):
         self.tmp_path = tmp_path
-        self.proc = subprocess.Popen(_command(*flags, workers=workers),
-                                     env=_fake_env(tmp_path, plan), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.proc = start_job(_command(*flags, workers=workers), _fake_env(tmp_path, plan))
 
     def wait_for_files(self, *names):
-        wait_for(lambda: all((self.tmp_path / n).exists() for n in names) or
-                 self.proc.poll() is not None, f"files {names}")
+        wait_until(lambda: all((self.tmp_path / n).exists() for n in names) or
+                   self.proc.poll() is not None, f"files {names}", LAUNCH_TIMEOUT)
         assert self.proc.poll() is None, self.proc.communicate()[0]
 
     def finish(self):
-        try:
-            out, _ = self.proc.communicate(timeout=LAUNCH_TIMEOUT)
-        finally:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        return self.proc.returncode, out
+        return finish_job(self.proc, LAUNCH_TIMEOUT)
 
 
 def test_restart_after_a_killed_worker(tmp_path):
@@ -225,7 +190,7 @@ def test_restart_after_a_killed_worker(tmp_path):
     assert code == 0, out
     assert "[tfdp-run] restart 1/2: worker 1 exited with 137 (SIGKILL)\n" in out
     assert (tmp_path / "SIGTERM-s0-a0").exists()  # the survivor was stopped, not left running
-    seen = records(tmp_path)
+    seen = fake_worker_starts(tmp_path)
     assert sorted(seen) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert [seen[(s, 0)]["restarts_left"] for s in (0, 1)] == ["2", "2"]
     assert [seen[(s, 1)]["restarts_left"] for s in (0, 1)] == ["1", "1"]
@@ -244,7 +209,7 @@ def test_without_max_restarts_a_failure_ends_the_job(tmp_path):
     code, out = launch_fake(tmp_path, {"1@0": "kill", "0@0": "block"})
     assert code == 137, out
     assert "worker 1 exited with code 137 (SIGKILL); stopping the other workers" in out
-    assert "restart 1/" not in out and sorted(records(tmp_path)) == [(0, 0), (1, 0)]
+    assert "restart 1/" not in out and sorted(fake_worker_starts(tmp_path)) == [(0, 0), (1, 0)]
 
 
 def test_restarts_exhausted_exit_with_the_workers_code(tmp_path):
@@ -252,7 +217,7 @@ def test_restarts_exhausted_exit_with_the_workers_code(tmp_path):
     assert code == 7, out
     assert "[tfdp-run] restart 1/1: worker 1 exited with 7\n" in out
     assert "[tfdp-run] restarts exhausted (1/1): worker 1 exited with 7\n" in out
-    assert sorted(records(tmp_path)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert sorted(fake_worker_starts(tmp_path)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
 def test_preempted_workers_restart_and_are_not_interrupted(tmp_path):
@@ -284,7 +249,7 @@ def test_slot_failing_at_every_start_is_dropped(tmp_path):
     assert "[tfdp-run] restart 2/3: worker 0 exited with 4\n" in out
     assert ("[tfdp-run] worker 0 dropped: it exited with 4 before restart 1 completed its first "
             "step; continuing on 2 workers\n") in out
-    seen = records(tmp_path)
+    seen = fake_worker_starts(tmp_path)
     assert sorted(k for k in seen if k[1] == 2) == [(1, 2), (2, 2)]
     survivors = [ClusterConfig.from_dict(seen[(slot, 2)]["tf_config"]) for slot in (1, 2)]
     assert [c.rank for c in survivors] == [0, 1] and survivors[0].is_chief
@@ -302,7 +267,7 @@ def test_slot_is_not_dropped_below_min_workers(tmp_path):
     assert ("worker 1 cannot come back (it exited with 5 before restart 2 completed its first "
             "step) and dropping it would leave 1 worker(s), below --min-workers 2; stopping the "
             "job") in out
-    assert not any(attempt == 3 for _, attempt in records(tmp_path))
+    assert not any(attempt == 3 for _, attempt in fake_worker_starts(tmp_path))
 
 
 def test_eviction_drops_the_named_rank(tmp_path):
@@ -312,7 +277,7 @@ def test_eviction_drops_the_named_rank(tmp_path):
     assert "[tfdp-run] restart 1/1: worker 1 evicted: fake straggler\n" in out
     assert ("[tfdp-run] worker 1 dropped: evicted by the job: fake straggler; continuing on 2 "
             "workers\n") in out
-    seen = records(tmp_path)
+    seen = fake_worker_starts(tmp_path)
     assert sorted(k for k in seen if k[1] == 1) == [(0, 1), (2, 1)]
     assert seen[(2, 1)]["rank"] == 1 and seen[(2, 1)]["restarts_left"] == "0"
     assert not list(tmp_path.glob("SIGTERM-*"))  # they exited together; nobody was signalled
@@ -337,7 +302,7 @@ def test_eviction_below_min_workers_is_a_plain_restart(tmp_path):
     assert code == 0, out
     assert ("cannot evict worker 1: 1 worker(s) would remain, below --min-workers 2; restarting "
             "on the same 2 workers") in out
-    assert sorted(records(tmp_path)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert sorted(fake_worker_starts(tmp_path)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
 def test_worker_that_never_joins_is_restarted(tmp_path):
@@ -357,7 +322,7 @@ def test_sigterm_to_the_launcher_is_forwarded_and_not_restarted(tmp_path):
     assert code == 143, out
     assert (tmp_path / "SIGTERM-s0-a0").exists() and (tmp_path / "SIGTERM-s1-a0").exists()
     assert "received SIGTERM; forwarding to all workers" in out
-    assert "restart 1/" not in out and sorted(records(tmp_path)) == [(0, 0), (1, 0)]
+    assert "restart 1/" not in out and sorted(fake_worker_starts(tmp_path)) == [(0, 0), (1, 0)]
 
 
 def test_worker_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path):
@@ -369,7 +334,7 @@ def test_worker_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path):
     assert code == 143, out
     assert (tmp_path / "SIGTERM-s1-a0").exists()  # it got SIGTERM, and did not obey it
     assert "worker(s) [1] still running after the grace period (0.5 s); sending SIGKILL" in out
-    pid = records(tmp_path)[(1, 0)]["pid"]
+    pid = fake_worker_starts(tmp_path)[(1, 0)]["pid"]
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     assert "restart 1/" not in out
@@ -400,7 +365,7 @@ def test_sigterm_while_stopping_after_a_failure_prevents_the_restart(tmp_path):
     assert code == 143, out
     assert "received SIGTERM; forwarding to all workers" in out
     assert "received SIGTERM again; killing all workers" in out
-    assert "restart 1/" not in out and sorted(records(tmp_path)) == [(0, 0), (1, 0)]
+    assert "restart 1/" not in out and sorted(fake_worker_starts(tmp_path)) == [(0, 0), (1, 0)]
 
 
 def test_ctrl_c_is_forwarded_and_not_restarted(tmp_path):
@@ -425,9 +390,8 @@ def test_timeout_bounds_the_job_across_restarts(tmp_path):
 
 
 def test_command_that_cannot_start(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "tfdp.run", "--workers", "2", "--",
-                           str(tmp_path / "no-such-program")], capture_output=True, text=True,
-                          timeout=LAUNCH_TIMEOUT)
+    proc = subprocess.run(tfdp_run_command(tmp_path / "no-such-program", python=None),
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
     assert proc.returncode == 127
     assert "cannot start the worker command" in proc.stdout
 
@@ -449,4 +413,4 @@ def test_launcher_in_process(tmp_path, monkeypatch, waitid):
     assert launcher.run(start_timeout=30) == 0, out.getvalue()
     assert "restart 1/3: worker 1 exited with 137 (SIGKILL)\n" in out.getvalue()
     assert "worker 1 dropped:" in out.getvalue()
-    assert sorted(k for k in records(tmp_path) if k[1] == 2) == [(0, 2), (2, 2)]
+    assert sorted(k for k in fake_worker_starts(tmp_path) if k[1] == 2) == [(0, 2), (2, 2)]

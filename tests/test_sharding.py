@@ -8,22 +8,10 @@ import keras
 
 import tfdp
 from tfdp.sharding import optimizer_state_bytes_per_replica, partition
-from helpers import (assert_weights_close, classification_data, cpu_devices, initial_weights,
-                     embedding_model, mixed_precision_mlp, mlp, token_data, train)
-
-OPTIMIZERS = {
-    "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
-    "adam_global_clipnorm": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.3),
-    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
-    "lars": lambda: tfdp.optimizers.LARS(2.0, weight_decay=1e-3),
-    "lamb": lambda: tfdp.optimizers.LAMB(0.02, weight_decay=1e-2, global_clipnorm=1.0),
-    "adam_clipnorm": lambda: keras.optimizers.Adam(0.01, clipnorm=0.05),
-}
-
-
-def deep_mlp():
-    return keras.Sequential([keras.Input((8,))] + [
-        keras.layers.Dense(w, activation="tanh") for w in (24, 16, 12, 20, 8)] + [keras.layers.Dense(3)])
+from helpers import SHARDING_OPTIMIZERS as OPTIMIZERS
+from helpers import (assert_weights_close, classification_data, cpu_devices, deep_mlp,
+                     embedding_model, initial_weights, many_variable_model, mixed_precision_mlp,
+                     mlp, token_data, train)
 
 
 @pytest.mark.parametrize("replicas", [2, 4])
@@ -63,12 +51,6 @@ def test_partition_rule():
         assert loads.max() <= 1.10 * sum(sizes) / n
     with pytest.raises(ValueError):
         partition([1], 0)
-
-
-def many_variable_model():
-    widths = [64, 48, 64, 32, 64, 40, 56, 32, 64, 48, 24, 64]
-    return keras.Sequential([keras.Input((32,))] + [keras.layers.Dense(w, activation="relu") for w in widths]
-                            + [keras.layers.Dense(10)])
 
 
 @pytest.mark.parametrize("replicas", [2, 4])

@@ -1,5 +1,5 @@
-"""Formulas used by the tools (tools/collective_math.py; no tool is run here), and a smoke
-run of the main example."""
+"""Formulas used by the tools (tools/collective_math.py, imported through pytest's pythonpath;
+no tool is run here), and a smoke run of the main example."""
 
 import os
 import subprocess
@@ -8,7 +8,6 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 
 def test_ring_allreduce_alpha_beta_model():

@@ -5,9 +5,6 @@ reads no variable and really runs compiled; "auto" resolves as Keras would on on
 import functools
 import json
 import logging
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -20,8 +17,7 @@ from tfdp import xla
 from helpers import (assert_weights_close, classification_data, cpu_devices, initial_weights,
                      mlp, replica_components, train)
 import xla_cases
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from launching import run_job, tfdp_run_command, worker_env, worker_script
 
 
 # --- pure policies ----------------------------------------------------------------------------
@@ -341,13 +337,9 @@ def test_compile_gradients_takes_keras_variables_only():
 @pytest.mark.slow
 @pytest.mark.multiworker
 def test_two_workers_of_two_replicas_with_xla_train_like_one_device(tmp_path):
-    environ = dict(os.environ, TFDP_TEST_OUT=str(tmp_path), TF_CPP_MIN_LOG_LEVEL="2")
-    environ.pop("TF_CONFIG", None)
-    cmd = [sys.executable, "-m", "tfdp.run", "--workers", "2", "--cpu-replicas", "2", "--",
-           sys.executable, os.path.join(HERE, "mw_xla_worker.py")]
-    proc = subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=400)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+    code, out = run_job(tfdp_run_command(worker_script("mw_xla_worker.py"), cpu_replicas=2),
+                        worker_env(TFDP_TEST_OUT=tmp_path, TF_CPP_MIN_LOG_LEVEL=2), 400)
+    assert code == 0, out
     # The coordination-service exchange the shared-GPU check uses: both workers got both.
     for rank in range(2):
         table = json.loads((tmp_path / f"placements-{rank}.json").read_text())

@@ -8,30 +8,12 @@ import keras
 
 import tfdp
 from tfdp.sharding import variable_bytes_per_device
-from helpers import (assert_weights_close, classification_data, cpu_devices, initial_weights,
-                     embedding_model, mixed_precision_mlp, token_data, train)
-
-K = 4  # micro-batches per update
-MICRO_BATCH = 16  # global batch of one micro-batch; 256 examples = 16 micro-batches per epoch
-
-
-def deep_mlp():
-    return keras.Sequential([keras.Input((8,))] + [
-        keras.layers.Dense(w, activation="tanh") for w in (24, 16, 12, 20, 8)] + [keras.layers.Dense(3)])
-
-
-def many_variable_model():
-    widths = [64, 48, 64, 32, 64, 40, 56, 32, 64, 48, 24, 64]
-    return keras.Sequential([keras.Input((32,))] + [keras.layers.Dense(w, activation="relu") for w in widths]
-                            + [keras.layers.Dense(10)])
-
-
-OPTIMIZERS = {
-    "adam_global_clipnorm": lambda **kw: keras.optimizers.Adam(0.01, global_clipnorm=0.3, **kw),
-    "adamw": lambda **kw: keras.optimizers.AdamW(0.01, weight_decay=0.05, **kw),
-    "lamb": lambda **kw: tfdp.optimizers.LAMB(0.02, weight_decay=1e-2, global_clipnorm=1.0, **kw),
-    "lars": lambda **kw: tfdp.optimizers.LARS(2.0, weight_decay=1e-3, **kw),
-}
+from helpers import ACCUMULATION_OPTIMIZERS as OPTIMIZERS
+from helpers import (assert_weights_close, classification_data, cpu_devices, deep_mlp,
+                     embedding_model, initial_weights, many_variable_model, mixed_precision_mlp,
+                     token_data, train)
+from launching import run_job, tfdp_run_command, worker_env, worker_script
+from zero2_cases import K, MICRO_BATCH, MW_CASES, MW_REFERENCE_BATCH, compile_for
 
 
 def sharded(make, accumulation="sharded", **kw):
@@ -345,28 +327,6 @@ def test_config_round_trip_keeps_accumulation_mode():
 
 # --- two workers x two replicas (real processes) -----------------------------------------------
 
-def compile_for(model, optimizer):
-    model.compile(optimizer=optimizer,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-
-
-def _mw_adam_clip(sharded):
-    if sharded:  # k micro-batches of MICRO_BATCH ...
-        return tfdp.ShardedOptimizer(OPTIMIZERS["adam_global_clipnorm"](gradient_accumulation_steps=K))
-    return OPTIMIZERS["adam_global_clipnorm"]()  # ... == one device at K * MICRO_BATCH
-
-
-def _mw_loss_scale_ema_local(sharded):
-    inner = keras.optimizers.AdamW(0.01, weight_decay=0.05, gradient_accumulation_steps=K,
-                                   use_ema=True, ema_momentum=0.9)
-    if sharded:
-        inner = tfdp.ShardedOptimizer(inner, accumulation="local")
-    return keras.optimizers.LossScaleOptimizer(inner)
-
-
-# name: (optimizer factory taking sharded=bool, global batch of the one-device reference)
-MW_CASES = {"adam_clip_sharded": _mw_adam_clip, "loss_scale_ema_local": _mw_loss_scale_ema_local}
-MW_REFERENCE_BATCH = {"adam_clip_sharded": K * MICRO_BATCH, "loss_scale_ema_local": MICRO_BATCH}
 MW_LAUNCH_TIMEOUT = 240
 
 
@@ -374,20 +334,10 @@ MW_LAUNCH_TIMEOUT = 240
 @pytest.mark.multiworker
 @pytest.mark.parametrize("case", sorted(MW_CASES))
 def test_two_workers_two_replicas_accumulate_like_one_device(tmp_path, case):
-    import os
-    import subprocess
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    environ = dict(os.environ, TFDP_TEST_OUT=str(tmp_path), TFDP_TEST_CASE=case,
-                   TF_CPP_MIN_LOG_LEVEL="2")
-    environ.pop("TF_CONFIG", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tfdp.run", "--workers", "2", "--cpu-replicas", "2", "--",
-         sys.executable, os.path.join(here, "mw_zero2_worker.py")],
-        env=environ, capture_output=True, text=True, timeout=MW_LAUNCH_TIMEOUT)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+    environ = worker_env(TFDP_TEST_OUT=tmp_path, TFDP_TEST_CASE=case, TF_CPP_MIN_LOG_LEVEL=2)
+    code, out = run_job(tfdp_run_command(worker_script("mw_zero2_worker.py"), cpu_replicas=2),
+                        environ, MW_LAUNCH_TIMEOUT)
+    assert code == 0, out
     assert "rank 0: 4 replicas, chief=True" in out
 
     x, y = classification_data()
@@ -422,11 +372,7 @@ def test_two_workers_two_replicas_accumulate_like_one_device(tmp_path, case):
 def test_zero_paper_formulas_in_the_memory_tool():
     """tools/zero_memory.py's formulas reproduce the paper's Figure 1 (Ψ = 7.5B, N = 64,
     K = 12: 120 GB, 31.4 GB, 16.6 GB per device) and the float32 analogue."""
-    import os
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                    "tools"))
-    import zero_memory as zm
+    import zero_memory as zm  # tools/ is on pytest's pythonpath
 
     psi = 7.5e9
     assert psi * zm.zero_bytes_per_parameter(0, 64) / 1e9 == pytest.approx(120.0)
@@ -441,11 +387,7 @@ def test_zero_paper_formulas_in_the_memory_tool():
 
 def test_traffic_model_in_the_memory_tool():
     """Bytes one replica sends per update: ZeRO-2 "sharded" reduce-scatters every micro-batch."""
-    import os
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                    "tools"))
-    import zero_memory as zm
+    import zero_memory as zm  # tools/ is on pytest's pythonpath
 
     sizes = [100, 100, 100, 100]  # 4 equal variables over 4 replicas: rows of 100 elements
     assert zm.bytes_sent_per_update(sizes, 4, 4, "all_reduce") == pytest.approx(2 * 3 / 4 * 400 * 4)

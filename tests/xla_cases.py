@@ -1,5 +1,5 @@
 """The optimizers and data of the XLA equivalence tests (tests/test_xla.py, and the
-multi-worker script tests/mw_xla_worker.py): every optimizer path tfdp has, one model."""
+multi-worker script tests/workers/mw_xla_worker.py): every optimizer path tfdp has, one model."""
 
 import keras
 

@@ -1,7 +1,8 @@
 """One GPU-tier scenario per process (tests/test_gpu.py): GPUs must be split into logical
-devices before TensorFlow initialises them, so every scenario gets a fresh process.
+devices before TensorFlow initialises them, so every scenario gets a fresh process. It finds
+tests/helpers.py through PYTHONPATH (tests/launching.py's worker_env).
 
-usage: python gpu_worker.py SCENARIO OUT.json [--logical N]
+usage: python tests/workers/gpu_worker.py SCENARIO OUT.json [--logical N]
 
 Prints nothing on success but what the scenario logs; writes its results to OUT.json.
 """
@@ -14,9 +15,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 
 
 def split_first_gpu(n):

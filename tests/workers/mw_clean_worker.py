@@ -22,8 +22,6 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdp  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import classification_data, mlp  # noqa: E402
 
 slow_rank = int(os.environ.get("TFDP_TEST_SLOW_RANK", "2"))

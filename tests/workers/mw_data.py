@@ -3,13 +3,12 @@ replica sees in one epoch, for each shard policy, to OUT/data-<rank>.json."""
 
 import json
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdp  # noqa: E402
+from data_helpers import read_epoch_with_collectives  # noqa: E402
 
 out, files_glob = os.environ["TFDP_TEST_OUT"], os.environ["TFDP_TEST_FILES"]
 rank = int(os.environ["TFDP_RANK"])
@@ -25,20 +24,7 @@ for source_name, make in sources.items():
         if source_name == "dataset" and policy == "file":
             continue
         dist = tfdp.data.distribute(strategy, make(), 8, shard_policy=policy, shuffle_buffer=16)
-
-        @tf.function
-        def step(batch):
-            # A collective per step, as in training: workers must agree on the step count.
-            ids = batch[0]
-            return strategy.run(lambda i: (i, tf.distribute.get_replica_context().all_reduce(
-                "SUM", tf.size(i))), args=(ids,))
-
-        seen, steps = [], 0
-        for batch in dist:
-            ids, total = step(batch)
-            seen.extend(int(i) for part in strategy.experimental_local_results(ids)
-                        for i in np.asarray(part))
-            steps += 1
+        seen, steps = read_epoch_with_collectives(strategy, dist)
         result[f"{source_name}/{policy}"] = {"ids": seen, "steps": steps,
                                              "cardinality": int(dist.cardinality)}
 with open(os.path.join(out, f"data-{rank}.json"), "w") as f:

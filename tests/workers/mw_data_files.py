@@ -9,10 +9,10 @@ import os
 import pathlib
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdp  # noqa: E402
+from data_helpers import read_epoch_with_collectives  # noqa: E402
 
 out, data = os.environ["TFDP_TEST_OUT"], pathlib.Path(os.environ["TFDP_TEST_DATA"])
 rank = int(os.environ["TFDP_RANK"])
@@ -34,25 +34,13 @@ pipelines = {  # name -> (make, number of elements)
 }
 
 
-@tf.function
-def step(ids):
-    # A collective per step, as in training: the workers must agree on the number of steps.
-    return strategy.run(lambda i: (i, tf.distribute.get_replica_context().all_reduce(
-        "SUM", tf.size(i))), args=(ids,))
-
-
 result = {}
 for name, (make, n) in pipelines.items():
     for policy in ("auto", "file"):
         if name == "batched_range" and policy == "file":
             continue
         dist = tfdp.data.distribute(strategy, make(), 8, shard_policy=policy, shuffle_buffer=16)
-        seen, steps = [], 0
-        for batch in dist:
-            ids, _ = step(batch)
-            seen.extend(int(i) for part in strategy.experimental_local_results(ids)
-                        for i in np.asarray(part))
-            steps += 1
+        seen, steps = read_epoch_with_collectives(strategy, dist)
         result[f"{name}/{policy}"] = {"ids": seen, "steps": steps, "n": n,
                                       "cardinality": int(dist.cardinality),
                                       "policy": dist.sharding_info["policy"]}

@@ -6,7 +6,6 @@ Env: TFDP_TEST_OUT, TFDP_TEST_SERVICE (the dispatcher's grpc:// address)."""
 
 import json
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
@@ -14,8 +13,7 @@ import tensorflow as tf  # noqa: E402
 import keras  # noqa: E402
 
 import tfdp  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from data_helpers import read_epoch_with_collectives  # noqa: E402
 from helpers import classification_data, initial_weights, mlp  # noqa: E402
 
 out, service = os.environ["TFDP_TEST_OUT"], os.environ["TFDP_TEST_SERVICE"]
@@ -26,21 +24,9 @@ dist = tfdp.data.distribute(strategy, tf.data.Dataset.range(101), 8, shuffle_buf
                             service=service)
 
 
-@tf.function
-def step(ids):
-    # A collective per step, as in training: the workers must agree on the number of steps.
-    return strategy.run(lambda i: (i, tf.distribute.get_replica_context().all_reduce(
-        "SUM", tf.size(i))), args=(ids,))
-
-
 epochs, steps = [], []
 for _ in range(2):
-    seen, n = [], 0
-    for batch in dist:
-        ids, _ = step(batch)
-        seen.extend(int(i) for part in strategy.experimental_local_results(ids)
-                    for i in np.asarray(part))
-        n += 1
+    seen, n = read_epoch_with_collectives(strategy, dist)
     epochs.append(seen)
     steps.append(n)
 

@@ -49,8 +49,6 @@ import tensorflow as tf  # noqa: E402
 import keras  # noqa: E402
 
 import tfdp  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import classification_data, initial_weights, mlp  # noqa: E402
 
 epochs = int(os.environ.get("TFDP_TEST_EPOCHS", "3"))

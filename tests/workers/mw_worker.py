@@ -10,7 +10,6 @@ TFDP_TEST_BACKUP (dir: use tfdp BackupAndRestore), TFDP_TEST_SHUFFLE (shuffle + 
 
 import os
 import signal
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -26,8 +25,6 @@ import tensorflow as tf  # noqa: E402
 import keras  # noqa: E402
 
 import tfdp  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import classification_data, initial_weights, mlp  # noqa: E402
 
 out = os.environ["TFDP_TEST_OUT"]

@@ -11,7 +11,6 @@ Env knobs: TFDP_TEST_OUT.
 
 import json
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -21,8 +20,6 @@ import keras  # noqa: E402
 
 import tfdp  # noqa: E402
 from tfdp import devices, xla  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import xla_cases  # noqa: E402
 from helpers import mlp  # noqa: E402
 

@@ -1,17 +1,16 @@
 """A worker for the ZeRO-2 multi-worker test, started by tfdp-run (real processes).
 
-Trains tests/test_zero2.py's deep MLP with a ShardedOptimizer whose wrapped optimizer
+Trains tests/helpers.py's deep MLP with a ShardedOptimizer whose wrapped optimizer
 accumulates gradients over 4 micro-batches, then saves a checkpoint the way every worker
 must (the chief to OUT/ckpt.weights.h5, the others to a temporary path) and writes this
 worker's final weights (and every replica's copy) to OUT/weights-<rank>.npz.
 
-Env knobs: TFDP_TEST_OUT, TFDP_TEST_CASE (a key of CASES in test_zero2.py),
+Env knobs: TFDP_TEST_OUT, TFDP_TEST_CASE (a key of MW_CASES in tests/zero2_cases.py),
 TFDP_TEST_EPOCHS.
 """
 
 import os
 import shutil
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -19,10 +18,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdp  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from helpers import classification_data, initial_weights  # noqa: E402
-from test_zero2 import MICRO_BATCH, MW_CASES, compile_for, deep_mlp  # noqa: E402
+from helpers import classification_data, deep_mlp, initial_weights  # noqa: E402
+from zero2_cases import MICRO_BATCH, MW_CASES, compile_for  # noqa: E402
 
 rank = int(os.environ.get("TFDP_RANK", "0"))
 out = os.environ["TFDP_TEST_OUT"]
