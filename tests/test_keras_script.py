@@ -179,8 +179,8 @@ def _launch(tmp_path, out, phases, opt="adam", epochs=5, **env):
     return proc.returncode, proc.stdout + proc.stderr, temp
 
 
-def _records(out):
-    return [json.load(open(os.path.join(out, "records", f"rank{r}.json"))) for r in (0, 1)]
+def _records(out, ranks=(0, 1)):
+    return [json.load(open(os.path.join(out, "records", f"rank{r}.json"))) for r in ranks]
 
 
 def _arrays(out, rank, phase):
@@ -205,7 +205,9 @@ def _event_file_problems(directory, chief_pid):
                               glob.glob(os.path.join(directory, "**", "events.out.tfevents.*"),
                                         recursive=True)}):
         files = glob.glob(os.path.join(events_dir, "events.out.tfevents.*"))
-        pids = sorted(int(os.path.basename(f).split(".")[4]) for f in files)
+        # events.out.tfevents.<time>.<host, may hold dots>.<pid>.<n>[.v2]
+        pids = sorted(int(re.search(r"\.(\d+)\.\d+(\.v2)?$", os.path.basename(f)).group(1))
+                      for f in files)
         if pids != [chief_pid]:
             problems.append(f"{events_dir}: event files of pids {pids}, chief {chief_pid}")
     return problems
@@ -262,7 +264,8 @@ def _check_fit_phase(out, ref, records, script):
     weights = mlp()
     weights.load_weights(os.path.join(fit, "final.weights.h5"))
     np.testing.assert_allclose(weights.predict(script.PROBE, verbose=0), pred, atol=1e-6)
-    served = tf.saved_model.load(os.path.join(fit, "export")).serve(script.PROBE)
+    exported = tf.saved_model.load(os.path.join(fit, "export"))  # kept: serve uses its variables
+    served = exported.serve(script.PROBE)
     np.testing.assert_allclose(served.numpy(), pred, atol=1e-6)
     with open(os.path.join(fit, "backup", "training_metadata.json")) as f:
         assert json.load(f)["epoch"] == epochs
@@ -278,7 +281,7 @@ def test_keras_script_on_two_workers_writes_and_decides_like_one_process(tmp_pat
     code, output, temp = _launch(tmp_path, out, ["fit", "early_stop", "nan", "local_stop"])
     assert code == 0, output
     script.main(str(ref), ["fit", "early_stop"], "adam", 5, tfdp.DataParallelStrategy())
-    records, reference = _records(out), _records(ref)
+    records, (reference,) = _records(out), _records(ref, ranks=(0,))
     # The terminal shows the job once (tfdp-run's default shows the chief).
     launcher_help = subprocess.run([sys.executable, "-m", "tfdp.run", "--help"], cwd=ROOT,
                                    capture_output=True, text=True).stdout
@@ -313,16 +316,19 @@ def test_sharded_optimizer_and_custom_loop_on_two_workers(tmp_path):
     # The optimizer state comes back whole: the one-process run's state, one device.
     assert isinstance(final.optimizer, tfdp.ShardedOptimizer)
     one_process = keras.saving.load_model(str(ref / "fit" / "final.keras"))
-    got = {v.path: np.asarray(v) for v in final.optimizer.variables}
-    want = {v.path: np.asarray(v) for v in one_process.optimizer.variables}
-    assert got.keys() == want.keys() and len(got) > 2
-    for name in want:
-        np.testing.assert_allclose(got[name], want[name], atol=1e-5, err_msg=name)
+    # (Variable paths carry Keras's per-process layer numbering, so compare in order.)
+    got = [(v.path, np.asarray(v)) for v in final.optimizer.variables]
+    want = [(v.path, np.asarray(v)) for v in one_process.optimizer.variables]
+    assert len(got) == len(want) > 2
+    for (got_name, got_value), (name, value) in zip(got, want):
+        assert re.sub(r"_\d+", "", got_name) == re.sub(r"_\d+", "", name)
+        np.testing.assert_allclose(got_value, value, atol=1e-5, err_msg=name)
 
     # Custom loop: CheckpointManager and tf.summary as in one process, chief's files only.
     ctl = out / "ctl"
-    assert _normalized_tree(ctl) == _normalized_tree(ref / "ctl") == {
-        "EVENTS" if p.startswith("tb/") else p for p in _normalized_tree(ctl)}
+    tree = _normalized_tree(ctl)
+    assert tree == _normalized_tree(ref / "ctl")
+    assert {"tb/EVENTS", "ckpt/checkpoint", "ckpt/ckpt-3.index"} <= tree, tree
     assert _event_file_problems(str(ctl), records[0]["pid"]) == []
     chief, other = records[0]["ctl"], records[1]["ctl"]
     assert other["saved"] == chief["saved"] == [str(ctl / "ckpt" / f"ckpt-{i}") for i in (1, 2, 3)]

@@ -3,6 +3,8 @@ upgrade that moves one fails here, by name."""
 
 import inspect
 
+import pytest
+
 import tfdp
 from tfdp import _tf_private
 
@@ -277,7 +279,8 @@ def test_set_keras_initial_epoch_makes_fit_start_there():
 
 
 def test_chief_writes_hooks_sit_where_keras_and_tensorflow_write(tmp_path):
-    # Pins patch_keras_file_writers, patch_keras_export, patch_tensorflow_file_writers,
+    # Pins patch_keras_file_writers, patch_keras_makedirs, patch_keras_export,
+    # patch_tensorflow_file_writers,
     # patch_checkpoint_write, patch_checkpoint_manager_save, patch_keras_callback,
     # checkpoint_manager_state, keras_backup_paths and keras_initial_epoch against the
     # installed TF/Keras: the public calls reach the patched functions (this process is no
@@ -289,6 +292,7 @@ def test_chief_writes_hooks_sit_where_keras_and_tensorflow_write(tmp_path):
     import tensorflow as tf
     from keras.src.legacy.saving import legacy_h5_format
     from keras.src.saving import saving_lib
+    from keras.src.utils import file_utils
     from tensorflow.python.ops import summary_ops_v2
     from tensorflow.python.saved_model import save as saved_model_save
 
@@ -298,6 +302,7 @@ def test_chief_writes_hooks_sit_where_keras_and_tensorflow_write(tmp_path):
     consensus.install()
     patched = [(saving_lib, "save_model"), (saving_lib, "save_weights_only"),
                (legacy_h5_format, "save_model_to_hdf5"), (keras.Model, "export"),
+               (file_utils, "makedirs"),
                (summary_ops_v2, "create_file_writer_v2"), (saved_model_save, "save"),
                (tf.summary, "create_file_writer"), (tf.saved_model, "save"),
                (tf.train.Checkpoint, "_write"), (tf.train.CheckpointManager, "save"),
@@ -330,3 +335,12 @@ def test_chief_writes_hooks_sit_where_keras_and_tensorflow_write(tmp_path):
     paths = _tf_private.keras_backup_paths(backup)
     assert all(p.startswith(str(tmp_path / "b")) for p in paths.values()) and len(paths) == 5
     assert _tf_private.keras_initial_epoch(model) is None
+    # ModelCheckpoint's "create the directory if it does not exist" on a directory another
+    # worker created in between: no error; a file in the way still is one.
+    file_utils.makedirs(str(tmp_path / "d"))
+    file_utils.makedirs(str(tmp_path / "d"))
+    with pytest.raises(FileExistsError):
+        file_utils.makedirs(str(tmp_path / "m.keras"))
+    # Guard: Keras's own function raises for the existing directory.
+    with pytest.raises(FileExistsError):
+        file_utils.makedirs.__wrapped__(str(tmp_path / "d"))

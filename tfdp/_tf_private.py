@@ -532,6 +532,20 @@ def patch_keras_file_writers(make) -> None:
         _patch(module, name, make, _CHIEF_WRITES)
 
 
+def patch_keras_makedirs(make) -> None:
+    """Replaces Keras's ``file_utils.makedirs`` (private) by ``make(original)``.
+
+    Why: ``ModelCheckpoint`` creates the checkpoint's directory on every worker with "if it
+    does not exist, makedirs" (no ``exist_ok``), so on a shared filesystem two workers race and
+    the loser dies with ``FileExistsError`` (measured: 2 workers, ``{epoch}`` in a
+    sub-directory). Keras reaches the function through the module at call time; no public
+    option makes it tolerant.
+    """
+    from keras.src.utils import file_utils
+
+    _patch(file_utils, "makedirs", make, _CHIEF_WRITES)
+
+
 def patch_keras_export(make) -> None:
     """Replaces ``keras.Model.export`` (public; every export format) by ``make(original)``."""
     import keras

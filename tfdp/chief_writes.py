@@ -365,6 +365,21 @@ _install_lock = threading.Lock()
 _installed = False
 
 
+def _tolerate_existing_directory(makedirs):
+    """Keras's makedirs, where a directory another worker created first is no error."""
+
+    @functools.wraps(makedirs)
+    def wrapper(path, *args, **kwargs):
+        try:
+            return makedirs(path, *args, **kwargs)
+        except FileExistsError:
+            if not os.path.isdir(path):
+                raise
+            return None
+
+    return wrapper
+
+
 def _install():
     global _installed
     with _install_lock:
@@ -373,6 +388,7 @@ def _install():
         from tfdp import _tf_private as tp
 
         tp.patch_keras_file_writers(lambda f: _redirect_argument(f, "filepath"))
+        tp.patch_keras_makedirs(_tolerate_existing_directory)
         tp.patch_keras_export(lambda f: _redirect_argument(f, "filepath"))
         tp.patch_tensorflow_file_writers(_redirect_argument)
         tp.patch_checkpoint_write(_checkpoint_write)

@@ -159,6 +159,9 @@ def phase_ctl(strategy, out, opt_name, epochs, record, arrays):
         model = mlp()
         model.set_weights(initial_weights(mlp))
         optimizer = keras.optimizers.Adam(0.01)
+        # Built here, as docs/custom_loops.md says: a Keras 3 optimizer first built inside the
+        # multi-worker tf.function fails ("must feed a value for placeholder ... cond").
+        optimizer.build(model.trainable_variables)
         checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
     manager = tf.train.CheckpointManager(checkpoint, out + "/ckpt", max_to_keep=2)
     writer = tf.summary.create_file_writer(out + "/tb")
@@ -188,7 +191,7 @@ def phase_ctl(strategy, out, opt_name, epochs, record, arrays):
     record["checkpoints"] = list(manager.checkpoints)
     for i, w in enumerate(model.get_weights()):
         arrays[f"w{i}"] = w
-    arrays["iterations"] = np.asarray(int(optimizer.iterations))
+    arrays["iterations"] = np.asarray(int(optimizer.iterations.numpy()))
 
 
 PHASES = {"fit": phase_fit, "early_stop": phase_early_stop, "nan": phase_nan,
