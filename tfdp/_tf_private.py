@@ -4,7 +4,8 @@ A TensorFlow or Keras upgrade that moves one of these breaks here, and
 ``tests/test_tf_private.py`` pins each one, so the failure names the symbol instead of
 surfacing as a confusing error deep inside training.
 
-Each entry says why no public API serves.
+Each entry says why no public API serves. The chief-writes half (Keras saving, TensorBoard,
+checkpoints) lives in ``_tf_private_saving.py`` and is re-exported here: callers use this module.
 """
 
 from __future__ import annotations
@@ -506,153 +507,6 @@ def dataset_flat_types_and_shapes(element_spec):
             _data_structure.get_flat_tensor_shapes(element_spec))
 
 
-# --- Chief-only writes and agreed decisions (tfdp/chief_writes.py, tfdp/consensus.py) ------
-# A Keras script runs unchanged on several workers: every write below still runs on every
-# worker (saving may need collectives), but only the chief writes at the script's path.
-
-_CHIEF_WRITES = "only the chief writes the script's files (tfdp/chief_writes.py)"
-
-
-def patch_keras_file_writers(make) -> None:
-    """Replaces the Keras functions that write a model or weights file (each takes the path as
-    ``filepath``) by ``make(original)``.
-
-    Why: ``model.save``, ``keras.saving.save_model``, ``save_weights`` and every callback that
-    saves (ModelCheckpoint, BackupAndRestore, TensorBoard's embeddings) end in these functions
-    of Keras's private saving modules, which ``saving_api`` looks up at call time. The public
-    functions above them are bound under several public names (``keras.saving.save_model``,
-    ``keras.models.save_model``) that one patch would miss, and no public hook says "about to
-    write a file".
-    """
-    from keras.src.legacy.saving import legacy_h5_format
-    from keras.src.saving import saving_lib
-
-    for module, name in ((saving_lib, "save_model"), (saving_lib, "save_weights_only"),
-                         (legacy_h5_format, "save_model_to_hdf5")):
-        _patch(module, name, make, _CHIEF_WRITES)
-
-
-def patch_keras_makedirs(make) -> None:
-    """Replaces Keras's ``file_utils.makedirs`` (private) by ``make(original)``.
-
-    Why: ``ModelCheckpoint`` creates the checkpoint's directory on every worker with "if it
-    does not exist, makedirs" (no ``exist_ok``), so on a shared filesystem two workers race and
-    the loser dies with ``FileExistsError`` (measured: 2 workers, ``{epoch}`` in a
-    sub-directory). Keras reaches the function through the module at call time; no public
-    option makes it tolerant.
-    """
-    from keras.src.utils import file_utils
-
-    _patch(file_utils, "makedirs", make, _CHIEF_WRITES)
-
-
-def patch_keras_export(make) -> None:
-    """Replaces ``keras.Model.export`` (public; every export format) by ``make(original)``."""
-    import keras
-
-    _patch(keras.Model, "export", make, _CHIEF_WRITES)
-
-
-def patch_tensorflow_file_writers(make) -> None:
-    """Replaces ``tf.summary.create_file_writer`` and ``tf.saved_model.save`` by
-    ``make(original, path_parameter, keep)`` (``keep``: the files live as long as the writer).
-
-    Why: both are bound in TensorFlow's generated API modules, which Python can execute a
-    second time: an ``import tensorflow.summary`` statement (Keras's TensorBoard callback makes
-    one) re-creates the module from the implementation module's attributes (measured with TF
-    2.21: a patch of the public name alone was gone after ``fit``). So the private
-    implementation functions are patched too, and a re-created API module binds the patched
-    ones.
-    """
-    import tensorflow as tf
-    from tensorflow.python.ops import summary_ops_v2
-    from tensorflow.python.saved_model import save as saved_model_save
-
-    for module, name, api, api_name, parameter, keep in (
-            (summary_ops_v2, "create_file_writer_v2", tf.summary, "create_file_writer",
-             "logdir", True),
-            (saved_model_save, "save", tf.saved_model, "save", "export_dir", False)):
-        original = _patch(module, name, lambda f, p=parameter, k=keep: make(f, p, k),
-                          _CHIEF_WRITES)
-        if getattr(api, api_name, None) is original:
-            setattr(api, api_name, getattr(module, name))
-
-
-def patch_checkpoint_write(make) -> None:
-    """Replaces ``tf.train.Checkpoint._write(file_prefix, ...)`` by ``make(original)``.
-
-    Why: ``Checkpoint.save``, ``Checkpoint.write`` and ``CheckpointManager.save`` all write
-    through this private method, which also runs the callbacks that record the checkpoint
-    state file next to the checkpoint; the manager calls it directly, so wrapping the public
-    methods would miss it.
-    """
-    import tensorflow as tf
-
-    _patch(tf.train.Checkpoint, "_write", make, _CHIEF_WRITES)
-
-
-def patch_checkpoint_manager_save(make) -> None:
-    """Replaces ``tf.train.CheckpointManager.save`` (public) by ``make(original)``."""
-    import tensorflow as tf
-
-    _patch(tf.train.CheckpointManager, "save", make, _CHIEF_WRITES)
-
-
-from collections import namedtuple as _namedtuple  # noqa: E402
-
-CheckpointManagerState = _namedtuple("CheckpointManagerState",
-                                     ["directory", "prefix", "maybe_delete", "latest"])
-_MANAGER_STATE = ("_directory", "_checkpoint_prefix", "_maybe_delete", "_latest_checkpoint")
-
-
-def checkpoint_manager_state(manager) -> CheckpointManagerState:
-    """A ``tf.train.CheckpointManager``'s directory, checkpoint prefix, managed checkpoints
-    (an OrderedDict of prefix -> timestamp) and latest checkpoint.
-
-    Why: the manager writes its state file into ``directory`` and deletes old checkpoints by
-    the names it holds; to make a worker other than the chief save into a private directory
-    while the manager's bookkeeping keeps naming the chief's files, tfdp swaps these for one
-    ``save()``. The public properties are read-only.
-    """
-    return CheckpointManagerState(*(_get(manager, name, _CHIEF_WRITES) for name in _MANAGER_STATE))
-
-
-def set_checkpoint_manager_state(manager, state: CheckpointManagerState) -> None:
-    for name, value in zip(_MANAGER_STATE, state):
-        setattr(manager, name, value)
-
-
-def patch_keras_callback(class_name: str, method: str, make) -> None:
-    """Replaces ``keras.callbacks.<class_name>.<method>`` (public classes and methods:
-    TensorBoard, CSVLogger, BackupAndRestore, CallbackList) by ``make(original)``."""
-    import keras
-
-    _patch(getattr(keras.callbacks, class_name), method, make,
-           "a Keras script on several workers (tfdp/chief_writes.py, tfdp/consensus.py)")
-
-
-# Why: Keras's BackupAndRestore keeps every path it writes or deletes in these attributes (set
-# in __init__, used by _save_model and on_train_end); tfdp points them at a private directory
-# on workers other than the chief while it writes, and leaves them alone while it reads. No
-# public API separates its reads from its writes.
-KERAS_BACKUP_PATH_ATTRIBUTES = ("backup_dir", "_weights_path", "_training_metadata_path",
-                                "_prev_weights_path", "_prev_training_metadata_path")
-
-
-def keras_backup_paths(callback) -> dict:
-    """``KERAS_BACKUP_PATH_ATTRIBUTES`` of a Keras BackupAndRestore, by name."""
-    return {name: _get(callback, name, _CHIEF_WRITES) for name in KERAS_BACKUP_PATH_ATTRIBUTES}
-
-
-def keras_initial_epoch(model):
-    """The epoch Keras's BackupAndRestore restored into ``model`` (None: it restored nothing).
-
-    Why: BackupAndRestore hands the restored epoch to ``fit`` only through this attribute;
-    tfdp checks that every worker restored the same one.
-    """
-    return _get(model, "_initial_epoch", "checking that every worker restored the same epoch")
-
-
 # --- Resilience (tfdp/callbacks/backup_and_restore.py) ---------------------------------------
 
 def set_keras_initial_epoch(model, epoch: int) -> None:
@@ -664,3 +518,19 @@ def set_keras_initial_epoch(model, epoch: int) -> None:
     """
     _get(model, "_initial_epoch", "resuming at an epoch")  # set by Keras's Trainer.__init__
     model._initial_epoch = int(epoch)  # noqa: SLF001
+
+
+# noqa: E402 below: the saving half needs _get and _patch, defined above.
+from tfdp._tf_private_saving import (  # noqa: E402,F401
+    patch_keras_file_writers,
+    patch_keras_makedirs,
+    patch_keras_export,
+    patch_tensorflow_file_writers,
+    patch_checkpoint_write,
+    patch_checkpoint_manager_save,
+    checkpoint_manager_state,
+    set_checkpoint_manager_state,
+    patch_keras_callback,
+    keras_backup_paths,
+    keras_initial_epoch,
+)
