@@ -406,3 +406,20 @@ def test_generator_source_is_distributed_with_unknown_or_given_size(strategy4):
     assert flat(collect(strategy4, dist)) == list(range(37))
     assert dist.cardinality == tf.data.UNKNOWN_CARDINALITY
     assert tdata.distribute(strategy4, make(), 8, num_examples=37).cardinality == 5
+
+
+def test_the_shuffled_order_does_not_depend_on_the_global_seed(strategy):
+    # tf.random.set_seed(0) (as keras.utils.set_random_seed(0) does) made every shuffled
+    # tfdp.data input fail to build (TensorFlow compared a tensor seed pair with (0, 0)).
+    orders = []
+    try:
+        for global_seed in (0, 5, None):
+            tf.random.set_seed(global_seed)
+            dist = tdata.distribute(strategy, tf.data.Dataset.range(64), 16, shuffle_buffer=64,
+                                    seed=3)
+            orders.append(collect(strategy, dist))
+    finally:
+        tf.random.set_seed(None)
+    assert orders[0] == orders[1] == orders[2]
+    assert flat(orders[0]) == list(range(64)) and orders[0] != collect(
+        strategy, tdata.distribute(strategy, tf.data.Dataset.range(64), 16))  # it is shuffled

@@ -78,13 +78,12 @@ class WorkerStream:
                 # fixed; the order of a worker's files still changes per epoch.
                 names = names.shard(num_pipelines, w)
                 if shuffle_buffer:
-                    names = names.shuffle(len(plan.files), seed=epoch_seed,
-                                          reshuffle_each_iteration=False)
+                    names = shuffle_with_seed(names, len(plan.files), epoch_seed)
             ds, salt = plan.source.open(names), 1
         else:
             ds, salt = source_ds, 0
         if shuffle_buffer:
-            ds = ds.shuffle(shuffle_buffer, seed=epoch_seed + salt, reshuffle_each_iteration=False)
+            ds = shuffle_with_seed(ds, shuffle_buffer, epoch_seed + salt)
         ds = ds.skip(skip)  # raw records: the skip never parses
         if plan.policy == "data":
             ds = ds.shard(num_pipelines, w)
@@ -92,6 +91,25 @@ class WorkerStream:
             ds = ds.map(plan.source.parse_fn, num_parallel_calls=tf.data.AUTOTUNE,
                         deterministic=True)
         return ds
+
+
+def shuffle_with_seed(ds, buffer_size, seed) -> tf.data.Dataset:
+    """``ds.shuffle(buffer_size, seed)``, once per iterator, for a seed tensor (epoch-dependent):
+    the order is a function of ``seed`` alone, whatever the user's global seed.
+
+    Why the graph seed is cleared while the shuffle is built: TensorFlow pairs an op seed with
+    the global seed and compares the pair with (0, 0) in Python, which raises for a tensor op
+    seed when the global seed is 0 (``tf.random.set_seed(0)``, ``keras.utils.set_random_seed(0)``,
+    measured); and an order that also depended on the global seed would differ between a job and
+    its resumption under another global seed. ``tf.Graph.seed`` is public.
+    """
+    graph = tf.compat.v1.get_default_graph()
+    saved = graph.seed
+    graph.seed = None
+    try:
+        return ds.shuffle(buffer_size, seed=seed, reshuffle_each_iteration=False)
+    finally:
+        graph.seed = saved
 
 
 def batch_per_replica(ds, plan, per_replica, local_replicas, drop_remainder):
