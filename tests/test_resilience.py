@@ -222,3 +222,65 @@ def test_store_on_a_tf_io_gfile_filesystem_commits_with_the_metadata_last():
     assert not tf.io.gfile.exists(store.path(20))  # the incomplete one is removed
     store.delete()
     assert store.steps() == [] and not tf.io.gfile.exists(directory)
+
+
+# --- stragglers: the split of a step (pure, no TensorFlow) -----------------------------------
+
+def test_a_step_splits_into_own_time_and_waiting():
+    from tfdp.resilience.stragglers import split_step
+
+    # 1 ms host before the call, 1 ms to get the batch, waits 4-9 ms (two overlapping
+    # collectives count once), 1 ms host after the call.
+    split = split_step(0.0, 0.001, 0.002, 0.010, 0.011, [(0.004, 0.009), (0.005, 0.008)])
+    assert split.as_list() == pytest.approx([6.0, 3.0, 1.0, 2.0, 5.0])
+    assert split.compute + split.wait == pytest.approx(11.0)  # the step's wall time
+    # The worker the others wait for: it arrives last, its collective takes only the transfer.
+    slow = split_step(0.0, 0.001, 0.030, 0.032, 0.033, [(0.030, 0.031)])
+    fast = split_step(0.0, 0.001, 0.002, 0.032, 0.033, [(0.004, 0.031)])
+    assert find_stragglers([fast.compute, slow.compute, fast.compute]) == [1]
+    assert slow.input == pytest.approx(29.0) and fast.wait == pytest.approx(27.0)
+    # Waits outside the step are clipped; a batch time outside the call is ignored.
+    clipped = split_step(1.0, 1.0, 5.0, 1.002, 1.002, [(0.5, 1.001), (1.5, 2.0)])
+    assert clipped.wait == pytest.approx(1.0) and clipped.input == 0.0
+
+
+def test_guard_timing_only_the_compute_window_misses_a_host_straggler():
+    # What issue 20 found: a worker slowed between steps (host) looks like the others if
+    # only the time from "batch in hand" to "gradients ready" is compared.
+    from tfdp.resilience.stragglers import split_step
+
+    stopped = split_step(0.0, 0.040, 0.041, 0.044, 0.045, [(0.043, 0.044)])  # 40 ms host
+    waiting = split_step(0.0, 0.001, 0.002, 0.044, 0.045, [(0.003, 0.044)])
+    assert stopped.step == pytest.approx(2.0) and waiting.step == pytest.approx(1.0)
+    assert find_stragglers([waiting.step, stopped.step, waiting.step]) == []  # blind
+    assert find_stragglers([waiting.compute, stopped.compute, waiting.compute]) == [1]
+
+
+def test_step_timer_windows_of_steps_from_graph_and_host_marks():
+    from tfdp.resilience.stragglers import StepTimer
+
+    now = [100.0]
+    timer = StepTimer(local_replicas=2, clock=lambda: now[0])
+
+    def step(host_s, input_s, work_s, wait_s, replicas_batches=2):
+        now[0] += host_s
+        timer.call_started()
+        now[0] += input_s
+        for _ in range(replicas_batches):
+            timer.add_batch(now[0])
+        timer.add_wait(now[0] + work_s, now[0] + work_s + wait_s)
+        now[0] += work_s + wait_s
+        timer.call_ended()
+        return timer.step_ended()
+
+    assert step(0.001, 0.001, 0.002, 0.003) is None  # the first step: nothing before it
+    timer.epoch_started()
+    assert step(0.001, 0.001, 0.002, 0.003) is None  # starts an epoch: not measured
+    for _ in range(4):
+        step(0.002, 0.001, 0.003, 0.004)
+    means, n = timer.window()
+    assert n == 4 and means == pytest.approx([6.0, 3.0, 1.0, 2.0, 4.0])
+    step(0.002, 0.001, 0.003, 0.004, replicas_batches=4)  # steps_per_execution=2: per step
+    means, n = timer.window()
+    assert n == 2 and means == pytest.approx([3.0, 1.5, 0.5, 1.0, 2.0])
+    assert timer.window() == ([0.0] * 5, 0)

@@ -344,3 +344,37 @@ def test_chief_writes_hooks_sit_where_keras_and_tensorflow_write(tmp_path):
     # Guard: Keras's own function raises for the existing directory.
     with pytest.raises(FileExistsError):
         file_utils.makedirs.__wrapped__(str(tmp_path / "d"))
+
+
+def test_collective_ops_patch_times_every_collective_of_a_step():
+    # Pins the functions of collective_ops that TensorFlow's collective launchers and tfdp's
+    # all-to-all call (patch_collective_ops): traced while a StepTimer listens, an all-reduce,
+    # an all-gather and a reduce-scatter (all-to-all) each report one wait per replica.
+    import tensorflow as tf
+    from helpers import cpu_devices
+    from tfdp import collectives
+    from tfdp.resilience import stragglers
+
+    strategy = tfdp.DataParallelStrategy(devices=cpu_devices(2))
+
+    def replica():
+        total = tf.distribute.get_replica_context().all_reduce("sum", tf.constant([1.0]))
+        gathered = collectives.all_gather(tf.constant([2.0]))
+        scattered = collectives.reduce_scatter(tf.ones([2, 3]))
+        return total, gathered, scattered
+
+    stragglers.install_collective_timing()
+    for name in _tf_private.COLLECTIVE_OP_FUNCTIONS:
+        assert getattr(_tf_private._collective_ops, name)._tfdp_patch, name
+    before = stragglers.collectives_executed()
+    tf.function(lambda: strategy.run(replica))()  # traced with no timer listening
+    assert stragglers.collectives_executed() == before  # guard: nothing timed then
+    timer = stragglers.StepTimer()
+    timer.listen()
+    try:
+        tf.function(lambda: strategy.run(replica))()
+    finally:
+        timer.stop()
+    assert stragglers.collectives_executed() - before == 3 * 2
+    means, _ = timer.window()  # no step closed: nothing averaged, waits were recorded
+    assert means == [0.0] * 5 and len(timer._waits) == 6  # noqa: SLF001

@@ -129,6 +129,39 @@ def in_xla_context(graph) -> bool:
     return bool(_graph_or_parents_in_xla_context(graph))
 
 
+# Why: StragglerMonitor times every collective of a training step (when its input is ready,
+# when its result is), so that time spent waiting for the other workers is told apart from a
+# worker's own time wherever the collective comes from: the gradient reduction, the input
+# pipeline's end-of-data agreement, Keras's metric reduction, ShardedOptimizer's all-to-all.
+# TensorFlow's collective launchers (cross_device_utils.CollectiveReplicaLauncher) and tfdp's
+# all_to_all above build every collective by calling these functions of the private
+# collective_ops module, looked up at call time; no public hook observes a collective.
+COLLECTIVE_OP_FUNCTIONS = ("all_reduce_v2", "all_gather_v2", "all_to_all_v2")
+
+
+def run_independently(op) -> None:
+    """Exempts ``op`` (stateful, no resource inputs) from tf.function's program-order chain.
+
+    Why: tf.function's automatic control dependencies chain every stateful op without
+    resource inputs in creation order, across replicas (auto_control_deps.py,
+    ``last_write_to_resource[None]``). A timestamp after replica 0's collective would then
+    precede replica 1's timestamp before the same collective: a deadlock with two or more
+    local replicas. The graph's ``experimental_acd_manager`` (None outside tf.function's
+    tracing) offers ``run_independently``: the op still runs before the function returns,
+    in parallel with the rest. No public API marks an op order-independent.
+    """
+    manager = getattr(op.graph, "experimental_acd_manager", None)
+    if manager is not None:
+        _get(manager, "run_independently", "timing collectives (StragglerMonitor)")(op)
+
+
+def patch_collective_ops(make) -> None:
+    """Replaces each of ``COLLECTIVE_OP_FUNCTIONS`` by ``make(original)`` once (same
+    signature: the tensor first)."""
+    for name in COLLECTIVE_OP_FUNCTIONS:
+        _patch(_collective_ops, name, make, "timing collectives (StragglerMonitor)")
+
+
 # --- How a moved private name fails --------------------------------------------------------
 # Every private attribute and class patch below goes through _get / require_attributes /
 # _patch, so a TensorFlow or Keras upgrade that renames one fails with PrivateAPIError naming

@@ -1,11 +1,14 @@
 """A straggler's cost and the recovery: steps/s over time, with and without eviction.
 
 Three workers on 127.0.0.1 (tfdp-run, 1 logical CPU replica each) train a small MLP whose
-forward pass does ``--compute_ms`` of work per step (a stand-in for a bigger model). After
-``--slow_after`` steps, this tool slows worker 2 from outside with a SIGSTOP/SIGCONT duty cycle
-(``--stop_ms`` stopped, ``--run_ms`` running), as a throttled or oversubscribed host would be.
+forward pass takes well under a millisecond (``--compute_ms`` adds work per step; default none).
+After ``--slow_after`` steps, this tool slows worker 2 from outside with a SIGSTOP/SIGCONT duty
+cycle (``--stop_ms`` stopped, ``--run_ms`` running), as a throttled or oversubscribed host
+would be: its lost time falls anywhere (Python between steps, the input pipeline, the step).
 ``tfdp.callbacks.StragglerMonitor`` names it; in the ``evict`` run (tfdp-run ``--min-workers 2
---max-restarts 1``) the job backs up, restarts without it and continues on two workers.
+--max-restarts 1``) the job backs up, restarts without it and continues on two workers. The
+report shows the monitor's split of each worker's step (own time: in the step, input, host;
+waiting for the others) in the first window after the slow-down.
 
     python tools/straggler_demo.py          # ~2 min; writes docs/benchmarks/straggler.{md,png,csv}
 """
@@ -32,7 +35,7 @@ import report  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("steps", 240, "Training steps of the job.")
 flags.DEFINE_integer("slow_after", 40, "Step after which worker 2 is slowed.")
-flags.DEFINE_float("compute_ms", 20.0, "Work in the forward pass per step (ms).")
+flags.DEFINE_float("compute_ms", 0.0, "Work added to the forward pass per step (ms).")
 flags.DEFINE_float("stop_ms", 150.0, "SIGSTOP phase of the duty cycle (ms).")
 flags.DEFINE_float("run_ms", 50.0, "SIGCONT phase of the duty cycle (ms).")
 flags.DEFINE_integer("window", 10, "StragglerMonitor window (steps).")
@@ -92,6 +95,9 @@ def child():
     callbacks = [Stamps(), tfdp.callbacks.BackupAndRestore(os.path.join(out, "backup"), save_freq=10,
                                                            dataset=train), monitor]
     model.fit(train, epochs=FLAGS.steps // (EXAMPLES // GLOBAL_BATCH), verbose=0, callbacks=callbacks)
+    if strategy.cluster.is_chief:
+        with open(os.path.join(out, f"monitor-{os.environ.get('TFDP_ATTEMPT', '0')}.json"), "w") as f:
+            json.dump(monitor.history, f)
 
 
 class DutyCycle(threading.Thread):
@@ -157,7 +163,9 @@ def run_job(evict):
     reader.join(timeout=5)
     if code != 0:
         raise RuntimeError(f"job failed ({code}):\n" + "".join(lines[-40:]))
-    return read_steps(steps_file), slowed_at, lines
+    history_file = os.path.join(tmp, "monitor-0.json")
+    history = json.load(open(history_file)) if os.path.exists(history_file) else []
+    return read_steps(steps_file), slowed_at, lines, history
 
 
 def rate_over_time(records, t0, bin_s=2.0):
@@ -168,6 +176,23 @@ def rate_over_time(records, t0, bin_s=2.0):
     return [(b * bin_s + bin_s / 2, n / bin_s) for b, n in enumerate(counts)]
 
 
+def split_table(result):
+    """The monitor's split of each worker's step in the first window after the slow-down."""
+    first = FLAGS.slow_after + 2 * FLAGS.window
+    window = next((h for h in result["history"] if h["step"] >= first), None)
+    if window is None:
+        return []
+    rows = [f"| {r} | {window['compute_ms'][r]:.1f} | {window['step_ms'][r]:.1f} | "
+            f"{window['input_ms'][r]:.1f} | {window['host_ms'][r]:.1f} | {window['wait_ms'][r]:.1f} |"
+            for r in range(len(window["compute_ms"]))]
+    return ["", f"StragglerMonitor's window ending at step {window['step']} (evict=False run), "
+            "ms/step per worker: own time (*compute*) = in the step + input + host; waiting "
+            "is time in collectives waiting for the others.", "",
+            "| rank | compute (own) | in the step | input | host | waiting |", "|---|---|---|---|---|---|",
+            *rows, "", "First line the chief logged:", "", "```",
+            *(result["named"][:1] or ["(none)"]), "```"]
+
+
 def main(argv):
     del argv
     if FLAGS.child:
@@ -176,7 +201,7 @@ def main(argv):
     results = {}
     for evict in (False, True):
         print(f"job with evict={evict}", flush=True)
-        records, slowed_at, _ = run_job(evict)
+        records, slowed_at, lines, history = run_job(evict)
         t0 = records[0][2]
         before = [r for r in records if r[2] < slowed_at]
         slowed = [r for r in records if r[2] >= slowed_at and r[0] == 0]
@@ -187,14 +212,17 @@ def main(argv):
 
         results[evict] = {"records": records, "t0": t0, "slowed_at": slowed_at - t0,
                           "healthy": rate(before), "slowed": rate(slowed), "after": rate(after),
-                          "total_s": records[-1][2] - t0}
+                          "total_s": records[-1][2] - t0, "history": history,
+                          "named": [l.split("tfdp: ", 1)[1].strip() for l in lines
+                                    if "tfdp: straggler: rank" in l]}
         print(f"  steps/s healthy {rate(before):.1f}, with straggler {rate(slowed):.1f}"
               + (f", after eviction {rate(after):.1f}" if evict else "")
               + f"; job {records[-1][2] - t0:.0f} s", flush=True)
     text = "\n".join([
         "# A straggler's cost and the recovery",
         "",
-        f"Three workers (tfdp-run, 1 CPU replica each), {FLAGS.compute_ms:g} ms of forward work per step,",
+        f"Three workers (tfdp-run, 1 CPU replica each), a small MLP (forward pass well under 1 ms, "
+        f"{FLAGS.compute_ms:g} ms of added work),",
         f"global batch {GLOBAL_BATCH}, {FLAGS.steps} steps. After step {FLAGS.slow_after} worker 2 is slowed",
         f"from outside (SIGSTOP {FLAGS.stop_ms:g} ms / SIGCONT {FLAGS.run_ms:g} ms). "
         f"`StragglerMonitor(window={FLAGS.window})`. Command: `python tools/straggler_demo.py`.",
@@ -207,6 +235,7 @@ def main(argv):
           for e, r in results.items()),
         "",
         "![steps/s over time](straggler.png)",
+        *split_table(results[False]),
     ])
     print(text)
     if FLAGS.out:

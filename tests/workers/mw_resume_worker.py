@@ -21,6 +21,12 @@ Env knobs (all optional except TFDP_TEST_OUT):
                           for a test to act on it; it is load, not synchronisation)
   TFDP_TEST_COMPUTE_MS    work inside the model's forward pass (a stand-in for a bigger model:
                           the MLP computes in well under 1 ms), leaving the math unchanged
+  TFDP_TEST_SLOW          "kind:slot:first:last,...": that slot is slowed while its optimizer
+                          iteration is in [first, last): kind "compute" adds TFDP_TEST_SLOW_MS
+                          (default 20) of work to its forward pass, "input" makes its input
+                          pipeline's map sleep TFDP_TEST_SLOW_MS per batch (per element: that
+                          divided by the global batch, which each worker's pipeline maps before
+                          sharding). Neither changes the math.
 """
 
 import json
@@ -75,13 +81,32 @@ def optimizer():
 
 
 compute_s = float(os.environ.get("TFDP_TEST_COMPUTE_MS", "0")) / 1000.0
+slow_s = float(os.environ.get("TFDP_TEST_SLOW_MS", "20")) / 1000.0
+slow_phases = [(kind, int(s_), int(a), int(b)) for kind, s_, a, b in
+               (item.split(":") for item in os.environ.get("TFDP_TEST_SLOW", "").split(",") if item)]
+iteration_now = [0]  # this worker's optimizer iteration, updated after every step
+
+
+def slowed(kind):
+    return any(k == kind and s_ == slot and a <= iteration_now[0] < b for k, s_, a, b in slow_phases)
 
 
 def spin(_):
-    end = time.perf_counter() + compute_s
+    end = time.perf_counter() + compute_s + (slow_s if slowed("compute") else 0.0)
     while time.perf_counter() < end:
         pass
     return 0.0
+
+
+def slow_parse(x, y):
+    def parse(value):
+        if slowed("input"):
+            time.sleep(slow_s / global_batch)
+        return value
+
+    x = tf.numpy_function(parse, [x], tf.float32, stateful=True)
+    x.set_shape(x_shape)
+    return x, y
 
 
 def heavy(x):
@@ -92,14 +117,18 @@ def heavy(x):
 
 with strategy.scope():
     model = mlp()
-    if compute_s:
+    if compute_s or any(k == "compute" for k, *_ in slow_phases):
         model = keras.Sequential([keras.layers.Lambda(heavy)] + model.layers)
         model.build((None, x.shape[1]))
     model.set_weights(w0)
     model.compile(optimizer=optimizer(),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
-train = tfdp.data.distribute(strategy, tf.data.Dataset.from_tensor_slices((x, y)), global_batch,
+x_shape = x.shape[1:]
+source = tf.data.Dataset.from_tensor_slices((x, y))
+if any(k == "input" for k, *_ in slow_phases):
+    source = source.map(slow_parse)  # every worker: the same pipeline, slowed on one only
+train = tfdp.data.distribute(strategy, source, global_batch,
                              shuffle_buffer=n if os.environ.get("TFDP_TEST_SHUFFLE") else None,
                              seed=11)
 backup = tfdp.callbacks.BackupAndRestore(os.environ["TFDP_TEST_BACKUP"], save_freq=save_freq,
@@ -122,6 +151,7 @@ class Record(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         iteration = int(self.model.optimizer.iterations.numpy())
+        iteration_now[0] = iteration
         self.file.write(f"{attempt} {rank} {iteration} {time.time():.4f}\n")
         self.file.flush()
         if pace:

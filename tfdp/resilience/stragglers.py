@@ -1,30 +1,50 @@
-"""Stragglers: which worker the others wait for.
+"""Stragglers: which worker the others wait for, whatever slows it.
 
 Rules:
 
-* **Step timing** (``StepTimer``). Two host callbacks in the graph mark when a replica has
-  its input batch and when its gradients are ready (just before ``optimizer.apply``); the time
-  between them is compute, the rest of the step is waiting for the other workers (the input
-  pipeline's end-of-data agreement and the gradient reduction both finish only when the
-  slowest worker arrives) plus the update.
+* **Synchronised waits.** Every collective (the gradient reduction, the input pipeline's
+  end-of-data agreement where there is one, metric reductions, ShardedOptimizer's all-to-all
+  and all-gather, the agreements between steps) ends only when the last worker has arrived.
+  While a ``StepTimer`` listens, each collective traced into a step is timed on its worker:
+  a graph timestamp when its input is ready and one when its result is, handed to the host
+  by one ``tf.numpy_function`` off the critical path (``install_collective_timing``).
+  Agreements run from the host report their own interval (``note_wait``).
+* **Own time** = wall time per step minus the union of this worker's waits. The worker the
+  others wait for has a long own time wherever its time goes (its compute, its input
+  pipeline, Python and callbacks between steps, garbage collection, a stopped process); the
+  workers that wait for it spend that time inside a collective, so theirs stays short.
+* **Split** (``split_step``): *host* is own time outside the training function, *input* from
+  the call to the batch being in hand, *step* from there to the call's return (forward,
+  backward, update); *wait* is the union of the waits. The four add up to the wall time.
 * **Judgement** (``find_stragglers``). Window means are summed across workers with one
-  all-reduce per window; a worker whose time is ``threshold`` times the median of the
+  all-reduce per window; a worker whose own time is ``threshold`` times the median of the
   *others* (and more than ``min_excess_ms`` above it) is slow in that window.
+
+On GPUs the timestamps mark when the ops around a collective are scheduled, not when the
+device finishes them (not measured here: no GPU).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import threading
 import time
 from typing import Sequence
 
-__all__ = ["find_stragglers", "StepTimer", "note_wait"]
+__all__ = ["find_stragglers", "StepSplit", "split_step", "StepTimer", "note_wait",
+           "install_collective_timing", "mark_batch_in_hand", "collectives_executed",
+           "SPLIT_FIELDS"]
 
+# Per step and worker, in this order in the gathered vector and the history.
+SPLIT_FIELDS = ("compute", "step", "input", "host", "wait")
+
+
+# --- pure decisions ---------------------------------------------------------------------
 
 def find_stragglers(compute_ms: Sequence[float], threshold: float = 1.5,
                     min_excess_ms: float = 2.0) -> list[int]:
-    """Ranks whose compute time per step is ``threshold`` times the median of the others.
+    """Ranks whose own time per step is ``threshold`` times the median of the others.
 
     The median of the *other* workers is the reference, so one slow worker among two is still
     found. ``min_excess_ms`` ignores differences too small to matter (timer noise on tiny
@@ -45,69 +65,251 @@ def find_stragglers(compute_ms: Sequence[float], threshold: float = 1.5,
     return slow
 
 
-_wait_sinks: list = []
+@dataclasses.dataclass(frozen=True)
+class StepSplit:
+    """One step of one worker, in milliseconds: ``compute`` (own time) = ``step`` +
+    ``input`` + ``host``; ``compute + wait`` is the step's wall time."""
+
+    compute: float
+    step: float
+    input: float
+    host: float
+    wait: float
+
+    def as_list(self) -> list[float]:
+        return [getattr(self, name) for name in SPLIT_FIELDS]
+
+
+def _union(intervals, lo: float, hi: float) -> list[tuple[float, float]]:
+    """The union of ``intervals`` clipped to [lo, hi], as sorted disjoint intervals."""
+    clipped = sorted((max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi)
+    merged: list[list[float]] = []
+    for a, b in clipped:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        elif b > a:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _covered(merged, lo: float, hi: float) -> float:
+    return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in merged)
+
+
+def split_step(start: float, call_start: float, batch_ready: float | None, call_end: float,
+               end: float, waits) -> StepSplit:
+    """Splits one step of one worker into own time (step, input, host) and waiting.
+
+    Args:
+        start: when the previous step ended (wall clock, seconds).
+        call_start, call_end: when the training function was called and returned.
+        batch_ready: when the first replica had its batch (None, or outside the call:
+            unknown, no input time).
+        end: when this step ended.
+        waits: (begin, end) intervals spent in collectives; overlaps count once.
+
+    Example:
+        >>> split = split_step(0.0, 0.001, 0.002, 0.010, 0.011, [(0.004, 0.009)])
+        >>> [round(v, 6) for v in split.as_list()]  # compute, step, input, host, wait (ms)
+        [6.0, 3.0, 1.0, 2.0, 5.0]
+    """
+    call_start = min(max(call_start, start), end)
+    call_end = min(max(call_end, call_start), end)
+    known = batch_ready is not None and call_start <= batch_ready <= call_end
+    ready = batch_ready if known else call_start
+    merged = _union(waits, start, end)
+
+    def own(lo, hi):
+        return max(0.0, (hi - lo) - _covered(merged, lo, hi))
+
+    host = own(start, call_start) + own(call_end, end)
+    got_input, step = own(call_start, ready), own(ready, call_end)
+    ms = 1000.0
+    return StepSplit(compute=ms * (host + got_input + step), step=ms * step,
+                     input=ms * got_input, host=ms * host, wait=ms * _covered(merged, start, end))
+
+
+# --- what the graph and the host report ------------------------------------------------------
+
+_listeners: list = []
+_listeners_lock = threading.Lock()
+
+
+def _record_wait(start, end):
+    for timer in list(_listeners):
+        timer.add_wait(float(start), float(end))
+
+
+def _record_batch(stamp):
+    for timer in list(_listeners):
+        timer.add_batch(float(stamp))
+
+
+_executed = [0]
+
+
+def _record_collective(start, end):
+    _executed[0] += 1  # numpy_function calls hold the GIL
+    _record_wait(start, end)
+
+
+def collectives_executed() -> int:
+    """How many timed collectives this process has run (each local replica's count): those
+    of steps traced while a ``StepTimer`` listened. Tests count a step's collectives with it."""
+    return _executed[0]
 
 
 def note_wait(start: float, end: float) -> None:
     """Records that this worker waited for the others from ``start`` to ``end`` (wall clock,
-    seconds), e.g. in a host-side agreement. A no-op unless a straggler monitor listens."""
-    for sink in list(_wait_sinks):
-        sink(start, end)
+    seconds), e.g. in an agreement run from the host. A no-op unless a ``StepTimer`` listens."""
+    _record_wait(start, end)
 
+
+def _independent(tensor_or_op):
+    """Keeps a timing op out of tf.function's program-order chain (which would deadlock
+    replicas of one worker: ``_tf_private.run_independently``); returns it."""
+    from tfdp import _tf_private
+
+    _tf_private.run_independently(getattr(tensor_or_op, "op", tensor_or_op))
+    return tensor_or_op
+
+
+def _stamp():
+    import tensorflow as tf
+
+    return _independent(tf.timestamp())
+
+
+def _host_call(fn, stamps):
+    import tensorflow as tf
+
+    # With no outputs, numpy_function returns its op.
+    _independent(tf.numpy_function(lambda *values: fn(*values) or (), stamps, [],
+                                   stateful=True, name="tfdp_step_timing"))
+
+
+def _timed(original):
+    """A TensorFlow collective-op function that also times the collective (see the rules)."""
+    import tensorflow as tf
+
+    from tfdp import _tf_private
+
+    def collective(t, *args, **kwargs):
+        if (not _listeners or tf.executing_eagerly()
+                or _tf_private.in_xla_context(tf.compat.v1.get_default_graph())):
+            return original(t, *args, **kwargs)
+        with tf.device("/device:CPU:0"):  # merged with the collective's job and task
+            with tf.control_dependencies([t]):
+                start = _stamp()
+        with tf.control_dependencies([start]):
+            t = tf.identity(t)
+        out = original(t, *args, **kwargs)
+        with tf.device("/device:CPU:0"):
+            with tf.control_dependencies([out]):
+                done = _stamp()
+            _host_call(_record_collective, [start, done])
+        return out
+
+    return collective
+
+
+def install_collective_timing() -> None:
+    """Times every collective traced while a ``StepTimer`` listens (once per process)."""
+    from tfdp import _tf_private
+
+    _tf_private.patch_collective_ops(_timed)
+
+
+def mark_batch_in_hand(data):
+    """In a train step: records when the replica's batch ``data`` is ready (for ``input``)."""
+    import tensorflow as tf
+
+    tensors = [t for t in tf.nest.flatten(data) if isinstance(t, tf.Tensor)]
+    if not _listeners or not tensors or tf.executing_eagerly():
+        return
+    with tf.device("/device:CPU:0"):
+        with tf.control_dependencies(tensors):
+            stamp = _stamp()
+        _host_call(_record_batch, [stamp])
+
+
+# --- one worker's timeline -------------------------------------------------------------------
 
 class StepTimer:
-    """Per-step compute and wait times on one worker (module docstring: "Step timing").
+    """One worker's steps split into own time and waiting (module docstring).
 
-    Compute runs from the moment the replica has its input batch (after the input
-    pipeline's own cross-worker agreement on whether data remains, where fast workers
-    already wait for slow ones) to the moment its gradients are ready; the rest of the host
-    step is waiting (for input agreement, the reduction, the update, metric reduction).
+    ``listen()`` while training; the callback marks the training function's call and return
+    (``call_started``/``call_ended``), every step's end (``step_ended``) and epoch starts;
+    the graph reports waits and batch times. ``window()`` returns the means since the last one.
+
+    Args:
+        local_replicas: this worker's replicas (each reports its batch).
+        clock: the wall clock (seconds), as ``tf.timestamp`` reads it.
     """
 
-    def __init__(self):
+    def __init__(self, local_replicas: int = 1, clock=time.time):
+        self.local_replicas = max(1, int(local_replicas))
+        self._clock = clock  # wall clock, as tf.timestamp: graph and host times compare
         self._lock = threading.Lock()
-        self._begin: list[float] = []
-        self._ready: list[float] = []
-        self.begin = None
-        self.compute_ms: list[float] = []
-        self.wait_ms: list[float] = []
+        self._waits: list[tuple[float, float]] = []
+        self._batches: list[float] = []
+        self._last_end: float | None = None
+        self._call: tuple[float, float] | None = None
+        self._splits: list[StepSplit] = []
 
-    def record_begin(self):
+    def listen(self):
+        with _listeners_lock:
+            if self not in _listeners:
+                _listeners.append(self)
+
+    def stop(self):
+        with _listeners_lock:
+            if self in _listeners:
+                _listeners.remove(self)
+
+    def add_wait(self, start: float, end: float):
         with self._lock:
-            self._begin.append(time.time())
-        return 0.0
+            self._waits.append((start, end))
 
-    def record_ready(self):
+    def add_batch(self, stamp: float):
         with self._lock:
-            self._ready.append(time.time())
-        return 0.0
+            self._batches.append(stamp)
 
-    def on_begin(self):
+    def call_started(self):
+        self._call = (self._clock(), None)
+
+    def call_ended(self):
+        if self._call is not None:
+            self._call = (self._call[0], self._clock())
+
+    def epoch_started(self):
+        """Steps that span an epoch boundary (iterator creation, epoch callbacks) are not
+        measured: they are not training steps."""
+        self._last_end = None
+
+    def step_ended(self) -> StepSplit | None:
+        """Closes the current step; returns its split (None when not measured)."""
+        end = self._clock()
+        start, call = self._last_end, self._call
+        self._last_end, self._call = end, None
         with self._lock:
-            self._begin.clear()
-            self._ready.clear()
-        self.begin = time.time()
+            waits, self._waits = self._waits, [w for w in self._waits if w[1] > end]
+            batches, self._batches = self._batches, []
+        if start is None or call is None or call[1] is None:
+            return None
+        in_call = [b for b in batches if call[0] <= b <= call[1]]
+        split = split_step(start, call[0], min(in_call) if in_call else None, call[1], end, waits)
+        steps = max(1, len(in_call) // self.local_replicas)  # steps_per_execution > 1
+        if steps > 1:
+            split = StepSplit(*(v / steps for v in split.as_list()))
+        self._splits.extend([split] * steps)
+        return split
 
-    def on_end(self):
-        end = time.time()
-        if self.begin is None:
-            return
-        with self._lock:
-            start = min(self._begin) if self._begin else self.begin
-            ready = max(self._ready) if self._ready else None
-        if ready is None or ready < start:  # a micro-batch without an update: all compute
-            ready = end
-        total = end - self.begin
-        compute = min(total, max(0.0, ready - start))
-        self.compute_ms.append(1000.0 * compute)
-        self.wait_ms.append(1000.0 * (total - compute))
-
-    def window(self) -> tuple[float, float, int]:
-        """Mean compute and wait (ms) since the last call, and the number of steps."""
-        n = len(self.compute_ms)
-        if not n:
-            return 0.0, 0.0, 0
-        c, w = sum(self.compute_ms) / n, sum(self.wait_ms) / n
-        self.compute_ms.clear()
-        self.wait_ms.clear()
-        return c, w, n
+    def window(self) -> tuple[list[float], int]:
+        """Mean of each ``SPLIT_FIELDS`` entry (ms/step) since the last call, and the number
+        of measured steps."""
+        splits, self._splits = self._splits, []
+        if not splits:
+            return [0.0] * len(SPLIT_FIELDS), 0
+        means = [sum(values) / len(splits) for values in zip(*(s.as_list() for s in splits))]
+        return means, len(splits)
