@@ -220,6 +220,43 @@ def test_file_sharding_position_skips_the_workers_own_stream(tmp_path):
     assert [wi.local_steps() for wi in inputs] == [f[2:] for f in full]
 
 
+def test_workers_with_exact_counts_get_exactly_the_epochs_steps(tmp_path):
+    """Uneven files, FILE sharding over 2 workers x 2 replicas: with the record-count index
+    every worker's pipeline has exactly steps_per_epoch local steps (the short one padded with
+    empty batches, what TensorFlow's end-of-data agreement would substitute), also after
+    set_position; with drop_remainder the long one is cut. Without counts they differ (guard)."""
+    source = tf.data.Dataset.range(90).map(lambda i: (i, i))
+    paths = tdata.write_tfrecord_shards(source, tmp_path, 4, assign=lambda i: min(i // 20, 3))
+    spec = source.element_spec
+    make = lambda: tdata.Files(str(tmp_path / "*.tfrecord"), parse_fn=tdata.tfrecord_parser(spec))  # noqa: E731
+    inputs = fake_workers(2, 2, make, 8, shard_policy="file", shuffle_buffer=30, seed=2)
+    steps = inputs[0].cardinality
+    assert steps == 13  # worker 0: files 0, 2 = 40 records = 10 steps; worker 1: 50 = 13 steps
+    for wi in inputs:
+        wi.set_epoch(0)
+    full = [wi.local_steps() for wi in inputs]
+    assert [len(f) for f in full] == [steps, steps]
+    assert full[0][10:] == [[[], []]] * 3  # padding: empty batches on both replicas
+    assert global_steps(inputs)[1] == [list(range(0, 20)) + list(range(40, 60)),
+                                       list(range(20, 40)) + list(range(60, 90))]
+    for wi in inputs:
+        wi.set_position(0, 11)
+    assert [wi.local_steps() for wi in inputs] == [f[11:] for f in full]
+    dropped = fake_workers(2, 2, make, 8, shard_policy="file", drop_remainder=True)
+    assert [len(wi.local_steps()) for wi in dropped] == [10, 10] == [dropped[0].cardinality] * 2
+    os.remove(os.path.join(os.path.dirname(paths[0]), tdata.INDEX_FILENAME))
+    unknown = fake_workers(2, 2, make, 8, shard_policy="file")
+    assert [len(wi.local_steps()) for wi in unknown] == [10, 13]  # left to the agreement
+    assert unknown[0].sharding_info["end_of_data_agreement"] is True
+
+
+def test_batches_per_pipeline_needs_exact_counts_and_several_workers():
+    assert tdata.policy.batches_per_pipeline(13, True, 2, 2) == 26
+    assert tdata.policy.batches_per_pipeline(13, False, 2, 2) is None  # num_examples=
+    assert tdata.policy.batches_per_pipeline(None, True, 2, 2) is None  # unknown size
+    assert tdata.policy.batches_per_pipeline(13, True, 1, 4) is None  # one worker: no agreement
+
+
 # --- sharding_info, resume_is_exact, latest_distributed ---------------------------------------
 
 def test_sharding_info_is_json_and_names_the_computation(strategy4):

@@ -192,13 +192,21 @@ def test_a_pattern_that_matches_the_index_is_refused(strategy4, data_dir):
 
 # --- real processes ---------------------------------------------------------------------------
 
-@pytest.mark.slow
-@pytest.mark.multiworker
-def test_two_worker_processes_exactly_once_native_and_batched(tmp_path, data_dir):
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory, data_dir):
+    """One run of mw_data_files.py on 2 worker processes x 2 replicas; its output directory."""
+    tmp_path = tmp_path_factory.mktemp("two_workers")
     environ = worker_env(TFDP_TEST_OUT=tmp_path, TF_CPP_MIN_LOG_LEVEL=2, TFDP_TEST_DATA=data_dir)
     code, out = run_job(tfdp_run_command(worker_script("mw_data_files.py"), cpu_replicas=2),
                         environ, 240)
     assert code == 0, out
+    return tmp_path
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_two_worker_processes_exactly_once_native_and_batched(two_workers):
+    tmp_path = two_workers
     results = [json.loads((tmp_path / f"files-{r}.json").read_text()) for r in range(2)]
     assert results[0].keys() == results[1].keys() and len(results[0]) >= 7
     for key in results[0]:
@@ -213,3 +221,49 @@ def test_two_worker_processes_exactly_once_native_and_batched(tmp_path, data_dir
                                                   for i in ids_of_file(k)), key
     assert results[0]["batched_range/auto"]["policy"] == "data"
     assert results[0]["tfrecord_list/auto"]["policy"] == "file"
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_no_end_of_data_collective_where_every_worker_has_the_same_steps(two_workers):
+    """2 workers x 2 replicas, batch taken inside a tf.function as Keras does. Exact counts
+    (record-count index, TensorFlow's cardinality): every worker gets exactly the epoch's steps
+    (uneven files padded with empty batches, or cut with drop_remainder), and a step traces no
+    collective but its own all-reduce. Unknown or user-given counts keep TensorFlow's per-step
+    end-of-data all-reduce (the guard: the same count that would show it gone)."""
+    a, b = (json.loads((two_workers / f"agreement-{r}.json").read_text()) for r in range(2))
+    for name, per_file in [("file_indexed", True), ("file_indexed_drop", True),
+                           ("data_known", False), ("file_unknown", True),
+                           ("data_user_count", False)]:
+        known = name in ("file_indexed", "file_indexed_drop", "data_known")
+        for r in (a, b):
+            case = r[name]
+            assert case["agreement"] is (not known), name
+            # The step's own all_reduce of the batch size (one op per local replica), plus the
+            # agreement where it runs (one all-reduce of "replicas with data" per get_next).
+            assert len(case["get_next_collectives"]) == (0 if known else 1), name
+            assert len(case["step_collectives"]) == (2 if known else 3), name
+        assert a[name]["steps"] == b[name]["steps"], name
+        if a[name]["cardinality"] >= 0:
+            assert a[name]["steps"] == a[name]["cardinality"] == b[name]["cardinality"], name
+        seen = a[name]["ids"] + b[name]["ids"]
+        if name == "file_indexed_drop":  # whole steps only: worker 0's 23 records give 5
+            assert len(seen) == len(set(seen)) == 8 * a[name]["steps"], name
+            assert set(a[name]["ids"]) <= {i for k in (0, 2, 4) for i in ids_of_file(k)}
+        else:
+            n = 70 if per_file else 101
+            assert sorted(seen) == list(range(n)), name  # every element once, none twice
+    # Uneven files: worker 0 holds 23 records, worker 1 47; both ran the 12 steps of the epoch.
+    assert a["file_indexed"]["steps"] == 12 and len(a["file_indexed"]["ids"]) == 23
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_keras_traces_one_step_per_kind_of_input(two_workers):
+    """One model fits an input without the end-of-data agreement, one with it (uneven files,
+    unknown counts: worker 0 runs out first), then the first again, on 2 workers. TensorFlow's
+    iterator type does not tell them apart; reusing the first trace for the second would leave
+    worker 1 waiting in the step's all-reduce (the job would not finish)."""
+    fits = [json.loads((two_workers / f"keras-{r}.json").read_text()) for r in range(2)]
+    assert [f["agreement"] for f in fits[0]] == [False, True, False]
+    assert fits[0] == fits[1]  # the same losses on both workers: they stepped together

@@ -64,6 +64,29 @@ def set_distributed_dataset_cardinality(distributed_dataset, steps: int) -> None
     distributed_dataset._cardinality = steps  # noqa: SLF001
 
 
+def skip_end_of_data_agreement(distributed_dataset) -> bool:
+    """Makes the iterators of ``distributed_dataset`` take batches without the workers'
+    end-of-data agreement; returns False (and changes nothing) for objects without it.
+
+    Why: in multi-worker mode TensorFlow's distributed iterator all-reduces, on every
+    ``get_next``, how many replicas still have data (``_calculate_replicas_with_values``),
+    unless the per-worker dataset is infinite: one cross-worker collective per step. tfdp.data
+    turns it off only where every worker's pipeline yields exactly the same number of
+    batches (tfdp/data/pipeline.py), so the workers run out together without agreeing. No
+    public API turns the agreement off for a finite dataset.
+    """
+    if not hasattr(distributed_dataset, "_enable_get_next_as_optional"):
+        return False
+    distributed_dataset._enable_get_next_as_optional = False  # noqa: SLF001
+    return True
+
+
+def end_of_data_agreement(distributed_dataset) -> bool | None:
+    """Whether iterators of ``distributed_dataset`` run TensorFlow's partial-batch handling
+    (in multi-worker mode: the per-step end-of-data all-reduce); None when not applicable."""
+    return getattr(distributed_dataset, "_enable_get_next_as_optional", None)
+
+
 # Why: MirroredStrategy creates a plain (non-mirrored) variable on one device when the
 # creator's colocate_with is a SingleDevice; ShardedOptimizer uses this to place each
 # partition's optimizer state on its owner's device only. No public API creates a

@@ -308,16 +308,54 @@ def _warn_once(key, message, *args):
 
 
 def _make_step_function(model, kind, original, force):
-    """The patched make_train_function / make_test_function body."""
+    """The patched make_train_function / make_test_function body: under a tfdp strategy, one
+    step function per kind of input (``_per_input_kind``), each built by ``_build_step``."""
     strategy = _tfdp_strategy_of(model)
     attribute = f"{kind}_function"
     if strategy is None:
         return original(model, force)
+    if getattr(model, attribute) is not None and not force:
+        return getattr(model, attribute)
+
+    def build():
+        # Building sets the model's attribute to the bare function; whatever was there (this
+        # dispatcher, or a callback's wrapper of it) stays.
+        current = getattr(model, attribute)
+        try:
+            return _build_step(model, kind, original, strategy)
+        finally:
+            setattr(model, attribute, current)
+
+    dispatch = _per_input_kind(build)
+    setattr(model, attribute, dispatch)
+    return dispatch
+
+
+def _per_input_kind(build):
+    """A step function that traces one ``build()`` per kind of distributed iterator: with or
+    without the workers' per-step end-of-data agreement (tfdp.data turns it off where every
+    worker has the same steps). TensorFlow's iterator type ignores that difference, so one
+    traced function would run an input that needs the agreement without it: a worker that
+    runs out first would leave the others waiting in the step's all-reduce."""
+    functions = {}
+
+    def step_function(iterator):
+        key = _tf_private.end_of_data_agreement(iterator)
+        function = functions.get(key)
+        if function is None:
+            function = functions[key] = build()
+        return function(iterator)
+
+    return step_function
+
+
+def _build_step(model, kind, original, strategy):
+    """The step function Keras (plan "keras") or tfdp's XLA split builds; returns it."""
+    attribute = f"{kind}_function"
     plan = step_plan(bool(model.jit_compile), strategy.num_replicas_in_sync,
                      _keras_step(model, f"{kind}_step"))
     if plan == "keras":
-        return original(model, force)
-    if getattr(model, attribute) is not None and not force:
+        original(model, True)
         return getattr(model, attribute)
     if plan == "no_xla":
         _warn_once((type(model), kind),

@@ -1,6 +1,9 @@
 """Worker for test_data_files.py: native file pipelines (5 uneven files) and already-batched
 datasets through tfdp.data.distribute on real workers; dumps, per pipeline and policy, the ids
 this worker's replicas saw in one epoch, the steps and the cardinality to OUT/files-<rank>.json.
+Then, as Keras trains (next(iterator) inside a tf.function), the end-of-data agreement cases:
+per case the collective ops in a traced get_next and in a traced training step, the ids and
+steps of one epoch, and sharding_info's end_of_data_agreement.
 
 Env: TFDP_TEST_OUT, TFDP_TEST_DATA (the directory test_data_files.py's fixture wrote)."""
 
@@ -9,6 +12,7 @@ import os
 import pathlib
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdp  # noqa: E402
@@ -44,6 +48,86 @@ for name, (make, n) in pipelines.items():
         result[f"{name}/{policy}"] = {"ids": seen, "steps": steps, "n": n,
                                       "cardinality": int(dist.cardinality),
                                       "policy": dist.sharding_info["policy"]}
+
 with open(os.path.join(out, f"files-{rank}.json"), "w") as f:
     json.dump(result, f)
 print(f"rank {rank}: files done", flush=True)
+
+
+def collective_ops(concrete_function):
+    """Collective ops in a traced function, its nested functions included."""
+    graph_def = concrete_function.graph.as_graph_def()
+    ops = [n.op for n in graph_def.node]
+    ops += [n.op for f in graph_def.library.function for n in f.node_def]
+    return sorted(op for op in ops if op.startswith(("Collective", "Nccl")))
+
+
+def step_functions():
+    """A fresh (get_next, train_step) pair. One per distributed dataset: TensorFlow's iterator
+    type ignores whether the end-of-data agreement runs, so a function traced for one dataset
+    would run another's steps without (or with) it (docs/limits.md)."""
+
+    @tf.function
+    def train_step(iterator):
+        batch = next(iterator)  # as Keras's train function: the batch is taken inside the step
+        return strategy.run(lambda i: (i, tf.distribute.get_replica_context().all_reduce(
+            "SUM", tf.size(i))), args=(batch,))
+
+    return tf.function(lambda iterator: next(iterator)), train_step
+
+
+agreement = {}
+agreement_cases = {  # name -> (make, distribute kwargs)
+    "file_indexed": (pipelines["tfrecord_list"][0], {"shard_policy": "file"}),
+    "file_indexed_drop": (pipelines["tfrecord_list"][0], {"shard_policy": "file",
+                                                          "drop_remainder": True}),
+    "data_known": (lambda: tf.data.Dataset.range(101), {"shard_policy": "data"}),
+    "file_unknown": (pipelines["text_lines"][0], {"shard_policy": "file"}),
+    "data_user_count": (lambda: tf.data.Dataset.range(101).filter(lambda i: i >= 0),
+                        {"shard_policy": "data", "num_examples": 101}),
+}
+for name, (make, kwargs) in agreement_cases.items():
+    dist = tfdp.data.distribute(strategy, make(), 8, shuffle_buffer=16, **kwargs)
+    iterator = iter(dist)
+    get_next, train_step = step_functions()
+    record = {"get_next_collectives": collective_ops(get_next.get_concrete_function(iterator)),
+              "step_collectives": collective_ops(train_step.get_concrete_function(iterator)),
+              "agreement": dist.sharding_info["end_of_data_agreement"],
+              "cardinality": int(dist.cardinality), "ids": [], "steps": 0}
+    while True:
+        try:
+            ids, _ = train_step(iterator)
+        except tf.errors.OutOfRangeError:
+            break
+        record["ids"].extend(int(i) for part in strategy.experimental_local_results(ids)
+                             for i in np.asarray(part))
+        record["steps"] += 1
+    agreement[name] = record
+with open(os.path.join(out, f"agreement-{rank}.json"), "w") as f:
+    json.dump(agreement, f)
+print(f"rank {rank}: agreement done", flush=True)
+
+
+# Keras: one model fits a dataset without the agreement, then one with it, then the first
+# again. Keras keeps one train function per model; tfdp traces it once per kind of input, so
+# the second fit agrees on the end of data (worker 0 has fewer batches: without the
+# agreement it would wait forever for worker 1's all-reduce).
+import keras  # noqa: E402
+
+with strategy.scope():
+    model = keras.Sequential([keras.Input(()), keras.layers.Reshape((1,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+as_pairs = lambda ds: ds.map(lambda i: (tf.cast(i, tf.float32) / 100.0,  # noqa: E731
+                                         tf.cast(i, tf.float32) / 100.0))
+exact = tfdp.data.distribute(strategy, as_pairs(pipelines["tfrecord_list"][0]()), 8,
+                             shard_policy="file")
+agreeing = tfdp.data.distribute(strategy, as_pairs(pipelines["text_lines"][0]()), 8,
+                                shard_policy="file")
+keras_fits = []
+for dist in (exact, agreeing, exact):
+    history = model.fit(dist, epochs=1, verbose=0)
+    keras_fits.append({"agreement": dist.sharding_info["end_of_data_agreement"],
+                       "loss": history.history["loss"][-1]})
+with open(os.path.join(out, f"keras-{rank}.json"), "w") as f:
+    json.dump(keras_fits, f)
+print(f"rank {rank}: keras done", flush=True)

@@ -5,7 +5,9 @@ arguments, plans the sharding (on every worker alike, before any collective), bu
 pipeline per worker (stream, per-replica batches, prefetch), hands them to
 ``strategy.distribute_datasets_from_function``, tells Keras the steps per epoch (or unknown,
 never TensorFlow's per-worker count of batches) and attaches ``set_epoch``, ``set_position``
-and ``sharding_info``.
+and ``sharding_info``. Where every worker's pipeline has exactly the same number of batches
+(exact counts, see pipeline.py) the workers' per-step end-of-data all-reduce is turned off;
+``sharding_info["end_of_data_agreement"]`` says whether it runs.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from tfdp import _tf_private
 from tfdp.data import pipeline, service as service_lib
 from tfdp.data.errors import DataShardingError, log_once
 from tfdp.data.plan import make_plan, service_plan
-from tfdp.data.policy import per_replica_batch_size, steps_per_epoch
+from tfdp.data.policy import batches_per_pipeline, per_replica_batch_size, steps_per_epoch
 from tfdp.data.position import EpochState
 from tfdp.data.sources import normalise_service, normalise_source
 
@@ -85,18 +87,23 @@ def distribute(strategy, dataset_or_fn, global_batch_size, shard_policy="auto", 
             plan, service, strategy, layout.num_workers, shuffle_buffer, seed)
     else:
         stream = worker_stream = pipeline.WorkerStream(
-            plan, state, shuffle_buffer, global_batch_size, layout.per_replica)
+            plan, state, shuffle_buffer, global_batch_size, layout.per_replica,
+            batches_per_epoch=_batches_per_pipeline(plan, layout, drop_remainder),
+            drop_remainder=drop_remainder)
     distributed = strategy.distribute_datasets_from_function(
         pipeline.make_dataset_fn(stream, plan, layout.per_replica, drop_remainder, prefetch))
     counts, steps = _epoch_steps(plan, worker_stream, layout, drop_remainder)
     _tf_private.set_distributed_dataset_cardinality(
         distributed, steps if steps is not None else int(tf.data.UNKNOWN_CARDINALITY))
+    agreement = layout.num_workers > 1 and not (
+        worker_stream is not None and worker_stream.ends_together
+        and _tf_private.skip_end_of_data_agreement(distributed))
     # PyTorch's DistributedSampler.set_epoch, for tf.data: see EpochState.
     distributed.set_epoch = state.set_epoch
     distributed.set_position = _position_setter(plan, state, steps)
     distributed.sharding_info = _sharding_info(
         plan, layout, seed=seed, shuffle_buffer=shuffle_buffer, drop_remainder=drop_remainder,
-        steps=steps, counts=counts, service=service, job_name=job_name)
+        steps=steps, counts=counts, service=service, job_name=job_name, agreement=agreement)
     global _latest
     _latest = weakref.ref(distributed)
     return distributed
@@ -165,6 +172,17 @@ def _plan(source, shard_policy, service, layout: _Layout, num_examples):
     return plan
 
 
+def _batches_per_pipeline(plan, layout: _Layout, drop_remainder):
+    """Per-replica batches each pipeline yields per epoch when the workers can end together
+    without agreeing (exact counts, several workers), else None."""
+    if plan.counts is None:
+        return None
+    steps = steps_per_epoch(plan.counts, layout.per_replica, layout.local_replicas,
+                            drop_remainder)
+    return batches_per_pipeline(steps, plan.counts_exact, layout.num_workers,
+                                layout.local_replicas)
+
+
 def _epoch_steps(plan, worker_stream, layout: _Layout, drop_remainder):
     """(elements per worker, global steps per epoch), each None when unknown; logs unknown."""
     counts, steps = plan.counts, None
@@ -187,7 +205,7 @@ def _epoch_steps(plan, worker_stream, layout: _Layout, drop_remainder):
 
 
 def _sharding_info(plan, layout: _Layout, *, seed, shuffle_buffer, drop_remainder, steps, counts,
-                   service, job_name) -> dict:
+                   service, job_name, agreement) -> dict:
     """What this input computes, JSON-ready (``resume_is_exact`` compares two of them)."""
     return {
         "policy": plan.policy, "reason": plan.reason, "source": plan.kind,
@@ -201,6 +219,8 @@ def _sharding_info(plan, layout: _Layout, *, seed, shuffle_buffer, drop_remainde
         "num_files": len(plan.files) if plan.files else None,
         "service": service.address if service is not None else None,
         "service_job": job_name,
+        # Whether the workers all-reduce "who still has data" at every step (module docstring).
+        "end_of_data_agreement": agreement,
     }
 
 

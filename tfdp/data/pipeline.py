@@ -9,6 +9,12 @@ Rules:
 * Within a worker each of the L local replicas takes consecutive batches of b elements; with
   ``drop_remainder`` only whole local steps (L full batches) are kept. An input function's
   per-replica batches are not batched again.
+* With several workers whose element counts are exact, each pipeline yields exactly
+  ``batches_per_epoch`` per-replica batches (less L per step a ``set_position`` skips): cut,
+  or without ``drop_remainder`` padded with empty batches, the ones TensorFlow's end-of-data
+  agreement would substitute. Every worker then runs out at the same step and the agreement
+  (a cross-worker all-reduce per step) is turned off. Components other than dense tensors
+  (ragged, sparse) cannot be padded here; such pipelines keep the agreement.
 * tfdp shards by itself, so TensorFlow's auto-shard is turned off for every pipeline.
 """
 
@@ -17,7 +23,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfdp.data import graph as graph_lib
-from tfdp.data.errors import DataShardingError
+from tfdp.data.errors import DataShardingError, log_once
 
 
 class WorkerStream:
@@ -29,24 +35,56 @@ class WorkerStream:
         shuffle_buffer: the shuffle buffer, None for no shuffling.
         global_batch_size: examples per global step.
         per_replica: examples per replica per step.
+        batches_per_epoch: per-replica batches each pipeline yields per epoch
+            (``policy.batches_per_pipeline``); None: the workers agree on the end at run time.
+            When set, the stream comes batched per replica.
+        drop_remainder: as ``distribute``'s (used when ``batches_per_epoch`` is set).
     """
 
-    def __init__(self, plan, state, shuffle_buffer, global_batch_size, per_replica):
+    def __init__(self, plan, state, shuffle_buffer, global_batch_size, per_replica,
+                 batches_per_epoch=None, drop_remainder=False):
         self.plan, self.state, self.shuffle_buffer = plan, state, shuffle_buffer
         self.global_batch_size, self.per_replica = global_batch_size, per_replica
+        self.batches_per_epoch, self.drop_remainder = batches_per_epoch, drop_remainder
         self.function_counts = []   # the input function's cardinality per pipeline
+        self.ends_together = batches_per_epoch is not None  # every pipeline: exact length
         self._native_shards = {}
+
+    @property
+    def batched(self) -> bool:
+        return self.batches_per_epoch is not None
 
     def __call__(self, ctx: tf.distribute.InputContext) -> tf.data.Dataset:
         w, num_pipelines = ctx.input_pipeline_id, ctx.num_input_pipelines
+        local = max(1, ctx.num_replicas_in_sync // num_pipelines)
         source_ds = self._source(ctx)
-        # range(1).flat_map re-runs `epoch` for every new iterator, so the epoch's seed and
-        # start step are read when the iterator starts; within the epoch they are fixed.
-        return tf.data.Dataset.range(1).flat_map(
-            lambda _: self._epoch(self.state.tensor(), source_ds, w, num_pipelines))
+
+        def per_iterator(_):
+            state = self.state.tensor()
+            ds = self._epoch(state, source_ds, w, num_pipelines)
+            if not self.batched:
+                return ds
+            ds = batch_per_replica(ds, self.plan, self.per_replica, local, self.drop_remainder)
+            skipped_steps = state[1] // self.state.elements_per_step
+            return self._exact_length(ds, self.batches_per_epoch - skipped_steps * local)
+
+        # range(1).flat_map re-runs `per_iterator` for every new iterator, so the epoch's seed
+        # and start step are read when the iterator starts; within the epoch they are fixed.
+        return tf.data.Dataset.range(1).flat_map(per_iterator)
+
+    def _exact_length(self, batches, num_batches):
+        """Exactly ``num_batches`` batches: cut, or padded with empty batches."""
+        if self.drop_remainder:  # every worker holds at least this many full batches
+            return batches.take(num_batches)
+        if not paddable(batches.element_spec):
+            self.ends_together = False
+            log_once("tfdp.data: the workers agree on the end of the data at every step: "
+                     "its elements hold ragged or sparse components, which tfdp does not pad.")
+            return batches
+        return batches.concatenate(empty_batches(batches.element_spec)).take(num_batches)
 
     def _source(self, ctx):
-        """The dataset this pipeline reads (None for ``Files``: opened per epoch)."""
+        """What this pipeline reads: a dataset, or the ``Files`` (opened per epoch)."""
         plan = self.plan
         if plan.kind == "function":
             source_ds = plan.source(ctx)
@@ -112,6 +150,24 @@ def shuffle_with_seed(ds, buffer_size, seed) -> tf.data.Dataset:
         graph.seed = saved
 
 
+def paddable(spec) -> bool:
+    """Whether ``empty_batches`` can make batches of ``spec``: dense tensors with a batch axis."""
+    flat = tf.nest.flatten(spec)
+    return bool(flat) and all(type(s) is tf.TensorSpec and s.shape.rank not in (None, 0)
+                              for s in flat)
+
+
+def empty_batches(spec) -> tf.data.Dataset:
+    """Endless batches of no element for ``spec`` (unknown inner dimensions become 0), as
+    TensorFlow's partial-batch handling gives a replica without data."""
+
+    def empty(s):
+        shape = [0] + [d if d is not None else 0 for d in s.shape.as_list()[1:]]
+        return tf.reshape(tf.constant([], dtype=s.dtype), shape)
+
+    return tf.data.Dataset.from_tensors(tf.nest.map_structure(empty, spec)).repeat()
+
+
 def batch_per_replica(ds, plan, per_replica, local_replicas, drop_remainder):
     """Per-replica batches of ``per_replica`` elements; ``drop_remainder``: whole local steps."""
     if plan.batched_per_replica:
@@ -130,8 +186,9 @@ def make_dataset_fn(stream, plan, per_replica, drop_remainder, prefetch):
 
     def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
         ds = stream(ctx)
-        local = max(1, ctx.num_replicas_in_sync // ctx.num_input_pipelines)
-        ds = batch_per_replica(ds, plan, per_replica, local, drop_remainder)
+        if not getattr(stream, "batched", False):
+            local = max(1, ctx.num_replicas_in_sync // ctx.num_input_pipelines)
+            ds = batch_per_replica(ds, plan, per_replica, local, drop_remainder)
         options = tf.data.Options()
         # tfdp shards by itself; TensorFlow must not shard again (or fail trying).
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF

@@ -29,6 +29,7 @@ class Plan:
     files: list | None = None
     native_files: bool = False    # a tf.data.Dataset sharded by TensorFlow's FILE rewrite
     counts: list | None = None    # elements per worker per epoch, when known
+    counts_exact: bool = False    # counts from TensorFlow or the index, not num_examples
     count_note: str = ""          # why counts are unknown
     batched_per_replica: bool = False
 
@@ -54,7 +55,7 @@ def service_plan(source, service, num_workers, global_batch_size, per_replica,
                  num_examples) -> Plan:
     """The plan for ``service=``: the global stream of a DATA plan, handed out by the service."""
     plan = make_plan(source, "data", num_workers, global_batch_size, per_replica, num_examples)
-    plan.policy, plan.counts = "service", None
+    plan.policy, plan.counts, plan.counts_exact = "service", None, False
     plan.reason = (f"tf.data service at {service.address} (distributed_epoch): each element "
                    "goes to exactly one trainer")
     plan.count_note = "a tf.data service assigns elements to trainers at run time"
@@ -79,6 +80,7 @@ def _plan_files(source: Files, requested, num_workers, num_examples) -> Plan:
         else:
             plan.counts = split_elements(sum(per_file), policy, num_workers)
         check_num_examples(num_examples, sum(per_file), "the record-count index")
+        plan.counts_exact = True
     elif num_examples is not None and policy != "file":
         plan.counts = split_elements(num_examples, policy, num_workers)
     else:
@@ -135,6 +137,7 @@ def _count_dataset(plan: Plan, facts, batching, cardinality, num_workers, num_ex
         if per_file is not None:
             plan.counts = [whole_batches(sum(per_file[w::num_workers]))
                            for w in range(num_workers)]
+            plan.counts_exact = True
         else:
             plan.count_note = ("sharded by file without current record counts next to the files "
                                "(tfdp.data.count_records writes them)")
@@ -143,6 +146,7 @@ def _count_dataset(plan: Plan, facts, batching, cardinality, num_workers, num_ex
         total = whole_batches(sum(per_file))
     if total is not None:
         check_num_examples(num_examples, total, "the dataset")
+        plan.counts_exact = True
     elif num_examples is not None:
         total = num_examples
     if total is not None:

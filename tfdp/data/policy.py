@@ -1,5 +1,5 @@
 """The sharding policy as pure functions: which policy, how many steps, whether a resume is
-exact. No TensorFlow.
+exact, whether the workers can end an epoch without agreeing on it. No TensorFlow.
 
 Rules:
 
@@ -12,6 +12,10 @@ Rules:
   elements [s*B, (s+1)*B) of the global order whatever the number of workers.
 * An epoch lasts while any worker has data (the others get empty batches); with
   ``drop_remainder`` only steps where every replica has a full batch count.
+* When every worker's element count is exact (TensorFlow's cardinality or the record-count
+  index), every worker's pipeline is given exactly ``steps_per_epoch * L`` per-replica batches
+  (cut, or padded with the empty batches TensorFlow's end-of-data agreement would substitute),
+  so the workers run out together without that per-step cross-worker collective.
 """
 
 from __future__ import annotations
@@ -104,6 +108,22 @@ def split_elements(total: int, policy: str, num_workers: int) -> list[int]:
     if policy == "data":
         return [len(range(w, total, num_workers)) for w in range(num_workers)]
     return [total] * num_workers
+
+
+def batches_per_pipeline(steps: int | None, counts_exact: bool, num_workers: int,
+                         local_replicas: int) -> int | None:
+    """Per-replica batches every worker's pipeline yields per epoch so that all workers end
+    together without a per-step collective; None when they must agree at run time.
+
+    Only for several workers (one worker needs no agreement) whose element counts are exact
+    (TensorFlow's cardinality or the record-count index; not a user-given ``num_examples``,
+    which tfdp cannot check). Pure.
+
+    Example: ``batches_per_pipeline(13, True, 2, 2) == 26``; unknown counts: None.
+    """
+    if steps is None or not counts_exact or num_workers < 2:
+        return None
+    return steps * local_replicas
 
 
 def order_class(info) -> tuple:
