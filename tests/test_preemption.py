@@ -126,3 +126,27 @@ def test_a_plain_relaunch_with_the_same_tf_config_resumes(tmp_path, uninterrupte
     iterations = [it for _, _, it in steps_run(tmp_path)]
     assert iterations == list(range(1, STEPS + 1))
     assert_same_weights(weights(tmp_path), weights(uninterrupted))
+
+
+def test_the_stop_flag_rides_in_the_gradient_reduction(tmp_path):
+    # Issue 20: with check_every=1 the stop agreement adds no collective to a step: the flag
+    # is one more element of the gradient all-reduce. Counted, per step, on 2 real workers of
+    # 2 replicas each (the count is per local replica).
+    import json
+    import statistics
+
+    from launching import tfdp_run_command, worker_script
+
+    cmd = tfdp_run_command(worker_script("mw_collectives_worker.py"), cpu_replicas=2)
+    code, log = run_job(cmd, environment(tmp_path), TIMEOUT)
+    assert code == 0, log
+    counts = json.loads(log.split("COUNTS ", 1)[1].splitlines()[0])
+    per_step = {name: statistics.median(c[1:]) for name, c in counts.items()
+                if isinstance(c, list)}
+    print("collectives per step:", per_step)
+    assert counts["adam_rides"] and per_step["adam"] >= 2
+    assert per_step["adam_backup"] == per_step["adam"]  # the flag costs no collective
+    # Guard: ShardedOptimizer reduces its own way, so the flag takes its own all-reduce
+    # (one per local replica), and the count shows it.
+    assert not counts["sharded_rides"]
+    assert per_step["sharded_backup"] == per_step["sharded"] + 2

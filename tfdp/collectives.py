@@ -146,9 +146,11 @@ def all_reduce_gradients(grads, strategy=None):
             parts = [tf.reshape(tensors[j], [-1]) for j in bucket]
             packed = parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
             flat.append(to_wire(packed, compression))
+        carrier = _attach_riders(strategy, flat)  # e.g. the preemption stop flag
         reduced = ctx.all_reduce(
             tf.distribute.ReduceOp.SUM, flat,
             options=_options(strategy, bytes_per_pack=_ONE_COLLECTIVE_PER_TENSOR))
+        reduced = _detach_riders(reduced, carrier)
         for bucket, value in zip(buckets, reduced):
             # Gradient shapes are static at trace time; fall back to runtime shapes otherwise.
             sizes = [_size(tensors[j]) for j in bucket]
@@ -163,6 +165,54 @@ def all_reduce_gradients(grads, strategy=None):
         for i, value in zip(sparse, reduced):
             out[i] = value
     return out
+
+
+# --- Riders: scalars other mechanisms send with the gradients --------------------------------
+# A per-step agreement (the preemption stop flag, tfdp.resilience.preemption) rides in the
+# gradient all-reduce: one element per rider appended to the last floating bucket, so it costs
+# no collective of its own. A rider has ``contribution()`` (a scalar tensor, called in each
+# replica while the reduction is traced; it may note that it rides) and ``receive(total)``
+# (called with the sum over all replicas, to hand it on).
+_riders: dict = {}
+
+
+def add_gradient_rider(strategy, rider) -> None:
+    """Carries ``rider`` in ``strategy``'s gradient reductions traced from now on."""
+    _riders.setdefault(id(strategy), []).append(rider)
+
+
+def remove_gradient_rider(strategy, rider) -> None:
+    riders = _riders.get(id(strategy), [])
+    if rider in riders:
+        riders.remove(rider)
+    if not riders:
+        _riders.pop(id(strategy), None)
+
+
+def _attach_riders(strategy, flat):
+    """Appends the riders' contributions to the last floating bucket of ``flat`` (in place);
+    returns (bucket index, riders) or None."""
+    riders = list(_riders.get(id(strategy), ()))
+    floating = [i for i, t in enumerate(flat) if t.dtype.is_floating]
+    if not riders or not floating:
+        return None
+    i = floating[-1]
+    extra = [tf.reshape(tf.cast(r.contribution(), flat[i].dtype), [1]) for r in riders]
+    flat[i] = tf.concat([flat[i]] + extra, axis=0)
+    return i, riders
+
+
+def _detach_riders(reduced, carrier):
+    """``reduced`` without the riders' elements, which go to their ``receive``."""
+    reduced = list(reduced)
+    if carrier is None:
+        return reduced
+    i, riders = carrier
+    value, n = reduced[i], len(riders)
+    reduced[i] = value[:-n]
+    for k, rider in enumerate(riders):
+        rider.receive(value[k - n])
+    return reduced
 
 
 def _size(t):

@@ -5,10 +5,12 @@ Two workers on 127.0.0.1 (tfdp-run, 1 logical CPU replica each) train the benchm
 
 * ``plain``: no callback;
 * ``backup``: ``tfdp.callbacks.BackupAndRestore(save_freq="epoch")`` with the default stop
-  agreement every step (``check_every=1``: one scalar all-reduce per step);
-* ``backup-every-10``: the same with ``check_every=10``;
-* ``monitor``: ``tfdp.callbacks.StragglerMonitor(window=20)`` alone (two host callbacks in
-  the graph per step, one all-reduce per window).
+  agreement every step (``check_every=1``; the flag rides in the gradient all-reduce, so no
+  collective of its own);
+* ``backup-every-10``: the same with ``check_every=10`` (which now only matters where the flag
+  cannot ride, e.g. ShardedOptimizer);
+* ``monitor``: ``tfdp.callbacks.StragglerMonitor(window=20)`` alone (every collective of the
+  step timed: two timestamps and one host call each, one all-reduce per window).
 
 Then it preempts a running job (SIGTERM to tfdp-run) and reports the time to exit 143, the
 backup's size and the time to write it.

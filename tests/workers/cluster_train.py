@@ -6,7 +6,7 @@ trains the helpers' MLP on in-order tfdp.data input (Adam), and writes:
 
   OUT/weights-<rank>.npz      the final weights
   OUT/steps-rank<rank>.txt    "<launch> <optimizer iteration>" after every step it ran
-  OUT/held-<rank>             (TFDP_TEST_HOLD) its pid, once it holds for SIGTERM
+  OUT/held-<rank>             (TFDP_TEST_HOLD) its pid, once it holds for SIGTERM (before that step)
 
 Env knobs: TFDP_TEST_OUT (required), TFDP_TEST_EPOCHS (2), TFDP_TEST_GLOBAL_BATCH (32),
 TFDP_TEST_BACKUP (dir: BackupAndRestore(save_freq=5)), TFDP_TEST_HOLD ("rank:iteration": in
@@ -66,7 +66,11 @@ class Record(keras.callbacks.Callback):
         iteration = int(self.model.optimizer.iterations.numpy())
         self.file.write(f"{launch} {iteration}\n")
         self.file.flush()
-        if hold and launch == 0 and hold == f"{rank}:{iteration}":
+
+    def on_train_batch_begin(self, batch, logs=None):
+        # Held before the step, so that step carries the stop flag in its gradient reduction.
+        upcoming = int(self.model.optimizer.iterations.numpy()) + 1
+        if hold and launch == 0 and hold == f"{rank}:{upcoming}":
             with open(os.path.join(out, f"held-{rank}.tmp"), "w") as f:
                 f.write(str(os.getpid()))
             os.replace(os.path.join(out, f"held-{rank}.tmp"), os.path.join(out, f"held-{rank}"))

@@ -13,7 +13,9 @@ Env knobs (all optional except TFDP_TEST_OUT):
   TFDP_TEST_EPOCHS, TFDP_TEST_N, TFDP_TEST_GLOBAL_BATCH, TFDP_TEST_SHUFFLE ("1")
   TFDP_TEST_OPT           adam | sharded_adam | sgd
   TFDP_TEST_HOLD          "slot:iteration": in attempt 0, that slot's worker writes OUT/held-<slot>
-                          (its pid) after that step and waits until it has received SIGTERM
+                          (its pid) before that step and waits until it has received SIGTERM
+                          (so the step carries the stop flag in its gradient reduction and
+                          every worker stops after it)
   TFDP_TEST_FAIL          "slot:iteration:kill|exit" in attempt 0
   TFDP_TEST_BROKEN_SLOT   slot that exits 1 at start in every attempt >= 1 (cannot come back)
   TFDP_TEST_MONITOR       window: add StragglerMonitor(window) ; TFDP_TEST_EVICT=1: evict=True
@@ -163,7 +165,10 @@ class Record(keras.callbacks.Callback):
             if self.fail[2] == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             os._exit(3)
-        if attempt == 0 and self.hold and int(self.hold[0]) == slot and int(self.hold[1]) == iteration:
+
+    def on_train_batch_begin(self, batch, logs=None):
+        upcoming = int(self.model.optimizer.iterations.numpy()) + 1
+        if attempt == 0 and self.hold and int(self.hold[0]) == slot and int(self.hold[1]) == upcoming:
             with open(os.path.join(out, f"held-{slot}.tmp"), "w") as f:
                 f.write(str(os.getpid()))
             os.replace(os.path.join(out, f"held-{slot}.tmp"), os.path.join(out, f"held-{slot}"))

@@ -116,8 +116,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             most recently created one).
         grace_seconds: preemption grace period (default: ``TFDP_GRACE_SECONDS`` set by
             tfdp-run's ``--grace-period``, else ``tfdp.protocol.DEFAULT_GRACE_SECONDS``).
-        check_every: steps between stop agreements across workers (one scalar all-reduce
-            each; see docs/resilience.md for its cost).
+        check_every: steps between stop agreements of their own across workers (one scalar
+            all-reduce each), used only where the stop flag cannot ride in the gradient
+            all-reduce (``ShardedOptimizer``); see docs/resilience.md.
 
     References:
         TensorFlow's ``BackupAndRestore`` and ``PreemptionCheckpointHandler``; torchrun's
@@ -190,7 +191,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._restore()
         self._watcher = PreemptionWatcher(self.grace_seconds)
         self._watcher.install()
-        self._stop = StopAgreement(self._watcher, self._agreement, self.check_every)
+        self._stop = StopAgreement(self._watcher, self._agreement, self.check_every, strategy)
+        if self._num_workers > 1:  # a step traced before would not carry the stop flag
+            self.model.make_train_function(force=True)
         _running.set_backup(self)
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -259,6 +262,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._watcher is not None:
             self._watcher.uninstall()
             self._watcher.cancel_backstop()
+            self._stop.close()
+            if self._num_workers > 1:
+                self.model.train_function = None  # retraced without the stop flag next time
         _running.set_backup(None)
         if self.delete_checkpoint and self._chief:
             self._store.delete()

@@ -1,0 +1,70 @@
+"""A worker that counts the collectives of each training step (real processes, tfdp-run).
+
+Trains the small MLP on 2 workers through tfdp.data four times in one process: with Adam and
+with ShardedOptimizer(Adam), each plain and with tfdp.callbacks.BackupAndRestore(check_every=1),
+counting the collectives each step runs (tfdp.resilience.stragglers times every collective;
+its count is read after every step). ShardedOptimizer reduces its gradients its own way, so
+there the stop flag needs its own all-reduce: the guard that the count sees one. Prints one
+line "COUNTS <json>" on the chief: per-step counts of every fit and whether the stop flag rode
+in the gradient reduction.
+
+Env knob: TFDP_TEST_OUT (where the backups go).
+"""
+
+import json
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfdp  # noqa: E402
+from tfdp.resilience import stragglers  # noqa: E402
+
+from helpers import classification_data, initial_weights, mlp  # noqa: E402
+
+strategy = tfdp.DataParallelStrategy()
+timer = stragglers.StepTimer()
+stragglers.install_collective_timing()
+timer.listen()  # every step traced from now on counts its collectives
+x, y = classification_data(n=240)
+
+
+class Count(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.counts, self.last = [], stragglers.collectives_executed()
+
+    def on_train_batch_end(self, batch, logs=None):
+        now = stragglers.collectives_executed()
+        self.counts.append(now - self.last)
+        self.last = now
+
+
+def fit(with_backup, sharded):
+    with strategy.scope():
+        model = mlp()
+        model.set_weights(initial_weights(mlp))
+        adam = keras.optimizers.Adam(0.01)
+        model.compile(optimizer=tfdp.ShardedOptimizer(adam) if sharded else adam,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    train = tfdp.data.distribute(strategy, tf.data.Dataset.from_tensor_slices((x, y)), 24)
+    count = Count()
+    callbacks = [count]
+    backup = None
+    if with_backup:
+        backup = tfdp.callbacks.BackupAndRestore(
+            os.path.join(os.environ["TFDP_TEST_OUT"], "backup"),
+            save_freq="epoch", dataset=train, check_every=1)
+        callbacks.insert(0, backup)
+    model.fit(train, epochs=2, verbose=0, callbacks=callbacks)
+    return count.counts, backup
+
+
+result = {}
+for sharded in (False, True):
+    name = "sharded" if sharded else "adam"
+    result[name], _ = fit(False, sharded)
+    result[name + "_backup"], backup = fit(True, sharded)
+    result[name + "_rides"] = backup._stop.rides_with_gradients  # noqa: SLF001
+if strategy.cluster.is_chief:
+    print("COUNTS " + json.dumps(result), flush=True)
