@@ -1,7 +1,21 @@
-"""Time to the first batch of tfdp.data.distribute against one full read of the files.
+"""Time to the first batch of tfdp.data.distribute: in fresh processes against
+MirroredStrategy's ``experimental_distribute_dataset``, and in one process against one full
+read of the files.
 
 Writes a synthetic file set (default 64 TFRecord files x 20,000 records of one int64
-feature), then measures, each the median of --repeats runs in this process (warm page cache):
+feature), then:
+
+Fresh processes (--rounds, default 15; 0 skips): each round starts one new Python process per
+variant, in an order that rotates from round to round, and each process times only
+"distribute + first batch" (after importing TensorFlow and building its strategy, 2 logical
+CPU replicas): ``tf.distribute.MirroredStrategy.experimental_distribute_dataset(
+TFRecordDataset(files).map(parse).batch(B))``, ``tfdp.data.distribute`` of the same native
+pipeline unbatched, of ``tfdp.data.Files`` with the same parse, and (--before DIR: a checkout of
+tfdp before a change, e.g. ``git worktree add /tmp/before <commit>``) the native pipeline
+through that tfdp. Reported: median and spread (min-max, and the middle half) of the per-round
+ratios tfdp / Mirrored, since this host's noise between processes is +-25%.
+
+Warm (--warm), each the median of --repeats runs in this process (warm page cache):
 
 * one full read: every raw record of every file through ``TFRecordDataset(files)``;
 * the previous tfdp: the up-front record count it ran before the first step;
@@ -10,13 +24,17 @@ feature), then measures, each the median of --repeats runs in this process (warm
   it (unknown steps), and without it but with ``num_examples``;
 * the opt-in counting pass ``tfdp.data.count_records`` (parallel, no parsing).
 
-    python tools/bench_input.py     # ~3 min on 2 cores; writes docs/benchmarks/data_input.{csv,png}
+    python tools/bench_input.py     # ~6 min on 2 cores; writes docs/benchmarks/data_input.{csv,png}
+                                    # and docs/benchmarks/data_first_batch.{csv,png}
+    python tools/bench_input.py --nowarm --rounds 15 --before /tmp/before   # fresh only
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import statistics
+import subprocess
 import sys
 import time
 
@@ -34,7 +52,17 @@ flags.DEFINE_integer("replicas", 2, "Logical CPU replicas.")
 flags.DEFINE_integer("global_batch", 256, "Global batch size.")
 flags.DEFINE_integer("repeats", 3, "Timed repetitions per measurement (median reported).")
 flags.DEFINE_bool("previous", True, "Also time the previous tfdp's up-front count (~1 min).")
-flags.DEFINE_string("out", "docs/benchmarks/data_input", "Output prefix ('' to skip).")
+flags.DEFINE_string("out", "docs/benchmarks/data_input",
+                    "Output prefix of the warm measurements ('' to skip).")
+flags.DEFINE_integer("rounds", 15, "Fresh-process rounds (0: skip).")
+flags.DEFINE_string("before", "", "A checkout of tfdp before a change, also timed fresh.")
+flags.DEFINE_bool("warm", True, "Also run the warm in-process measurements.")
+flags.DEFINE_string("fresh_out", "docs/benchmarks/data_first_batch",
+                    "Output prefix of the fresh rounds.")
+flags.DEFINE_enum("child", "", ["", "mirrored", "native", "files"],
+                  "Internal: time one variant in this (fresh) process and print it.")
+
+FRESH_VARIANTS = ("mirrored", "native", "files")
 
 
 def write_files(tf, directory, num_files, records):
@@ -56,20 +84,133 @@ def write_files(tf, directory, num_files, records):
     return paths
 
 
-def main(argv):
-    del argv
-    absl_logging.set_verbosity(absl_logging.WARNING)
-    import numpy as np
+def time_one_variant(variant):
+    """In this fresh process: seconds of distribute + first batch for ``variant`` (printed)."""
     import tensorflow as tf
 
     import tfdp
     from tfdp import data as tdata
 
     tfdp.configure_cpu_replicas(FLAGS.replicas)
-    strategy = tfdp.DataParallelStrategy(devices=[f"/device:CPU:{i}" for i in range(FLAGS.replicas)])
+    devices = [f"/device:CPU:{i}" for i in range(FLAGS.replicas)]
+    paths = [os.path.join(FLAGS.dir, f"part-{k:05d}.tfrecord") for k in range(FLAGS.files)]
+    description = {"id": tf.io.FixedLenFeature([], tf.int64)}
+    parse = lambda r: tf.io.parse_single_example(r, description)["id"]  # noqa: E731
+    if variant == "mirrored":
+        strategy = tf.distribute.MirroredStrategy(devices)
+    else:
+        strategy = tfdp.DataParallelStrategy(devices=devices)
+    start = time.perf_counter()
+    if variant == "mirrored":
+        dist = strategy.experimental_distribute_dataset(
+            tf.data.TFRecordDataset(paths).map(parse).batch(FLAGS.global_batch))
+    elif variant == "native":
+        dist = tdata.distribute(strategy, tf.data.TFRecordDataset(paths).map(parse),
+                                FLAGS.global_batch)
+    else:
+        dist = tdata.distribute(strategy, tdata.Files(paths, parse_fn=parse), FLAGS.global_batch)
+    batch = next(iter(dist))
+    seconds = time.perf_counter() - start
+    ids = tf.concat(strategy.experimental_local_results(batch), 0)
+    assert int(tf.size(ids)) == FLAGS.global_batch, ids
+    print(f"RESULT {variant} {seconds:.4f} {tdata.__file__}", flush=True)
+
+
+def fresh_rounds(before):
+    """Rounds of fresh processes, one per variant, in a rotating order; returns rows."""
+    variants = [(v, "") for v in FRESH_VARIANTS] + ([("native", before)] if before else [])
+    names = {("mirrored", ""): "Mirrored experimental_distribute_dataset",
+             ("native", ""): "tfdp native TFRecordDataset(files).map",
+             ("files", ""): "tfdp Files", ("native", before): "tfdp before, native"}
+    rows = []
+    for r in range(FLAGS.rounds):
+        shift = r % len(variants)
+        for variant, tree in variants[shift:] + variants[:shift]:
+            env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+            if tree:
+                env["PYTHONPATH"] = os.pathsep.join([tree, env.get("PYTHONPATH", "")])
+            argv = [sys.executable, os.path.abspath(__file__), f"--child={variant}",
+                    f"--dir={FLAGS.dir}", f"--files={FLAGS.files}", f"--replicas={FLAGS.replicas}",
+                    f"--global_batch={FLAGS.global_batch}"]
+            out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300,
+                                 cwd="/" if tree else None)
+            line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+            if out.returncode or not line:
+                raise RuntimeError(f"{variant} ({tree or 'this tree'}) failed:\n{out.stderr[-3000:]}")
+            _, _, seconds, module = line[0].split(" ", 3)
+            if tree and not module.startswith(os.path.abspath(tree)):
+                raise RuntimeError(f"--before {tree} did not load its tfdp (got {module}).")
+            rows.append({"round": r, "variant": names[(variant, tree)], "seconds": float(seconds)})
+            print(f"  round {r + 1}/{FLAGS.rounds} {names[(variant, tree)]:45s} {float(seconds):.3f} s",
+                  flush=True)
+    return rows
+
+
+def summarise_fresh(rows):
+    """Per variant: median seconds; per tfdp variant: per-round ratio to Mirrored."""
+    mirrored = {r["round"]: r["seconds"] for r in rows if r["variant"].startswith("Mirrored")}
+    summary = []
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        seconds = [r["seconds"] for r in rows if r["variant"] == variant]
+        ratios = sorted(r["seconds"] / mirrored[r["round"]] for r in rows if r["variant"] == variant)
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        summary.append({"variant": variant, "rounds": len(seconds),
+                        "median_seconds": round(statistics.median(seconds), 4),
+                        "median_ratio_to_mirrored": round(statistics.median(ratios), 3),
+                        "ratio_q1": round(q[0], 3), "ratio_q3": round(q[2], 3),
+                        "ratio_min": round(ratios[0], 3), "ratio_max": round(ratios[-1], 3)})
+        print(f"  {variant:45s} median {summary[-1]['median_seconds']:.3f} s, ratio to Mirrored "
+              f"median {summary[-1]['median_ratio_to_mirrored']:.2f} (middle half "
+              f"{q[0]:.2f}-{q[2]:.2f}, range {ratios[0]:.2f}-{ratios[-1]:.2f})", flush=True)
+    return summary
+
+
+def plot_fresh(rows, summary, prefix):
+    plt = report.pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4))
+    variants = [s["variant"] for s in summary]
+    ax.boxplot([[r["seconds"] for r in rows if r["variant"] == v] for v in variants],
+               vert=False, labels=variants)
+    ax.set_xlabel("seconds: distribute + first batch, fresh process")
+    ax.set_title(f"tfdp.data vs MirroredStrategy, {FLAGS.files} files, {FLAGS.replicas} CPU "
+                 f"replicas, {FLAGS.rounds} interleaved rounds", fontsize=10)
+    for y, s in enumerate(summary, start=1):
+        ax.text(s["median_seconds"], y + 0.3, f"{s['median_ratio_to_mirrored']:.2f}x",
+                fontsize=8, ha="center")
+    report.save_figure(fig, prefix + ".png")
+
+
+def main(argv):
+    del argv
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    if FLAGS.child:
+        return time_one_variant(FLAGS.child)
+    import tensorflow as tf
+
     total = FLAGS.files * FLAGS.records
     print(f"{FLAGS.files} files x {FLAGS.records} records = {total} records in {FLAGS.dir}", flush=True)
     paths = write_files(tf, FLAGS.dir, FLAGS.files, FLAGS.records)
+    if FLAGS.rounds:
+        print("distribute + first batch, fresh processes:", flush=True)
+        rows = fresh_rounds(FLAGS.before)
+        summary = summarise_fresh(rows)
+        if FLAGS.fresh_out:
+            report.write_csv(FLAGS.fresh_out + ".csv", summary)
+            report.write_csv(FLAGS.fresh_out + "-rounds.csv", rows)
+            plot_fresh(rows, summary, FLAGS.fresh_out)
+            print(f"wrote {FLAGS.fresh_out}.csv/-rounds.csv/.png")
+    if FLAGS.warm:
+        warm_measurements(tf, paths, total)
+
+
+def warm_measurements(tf, paths, total):
+    import numpy as np
+
+    import tfdp
+    from tfdp import data as tdata
+
+    tfdp.configure_cpu_replicas(FLAGS.replicas)
+    strategy = tfdp.DataParallelStrategy(devices=[f"/device:CPU:{i}" for i in range(FLAGS.replicas)])
     index = os.path.join(FLAGS.dir, tdata.INDEX_FILENAME)
     aside = index + ".aside"
     description = {"id": tf.io.FixedLenFeature([], tf.int64)}

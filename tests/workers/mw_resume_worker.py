@@ -45,8 +45,10 @@ from tfdp.cluster import ClusterConfig  # noqa: E402  (pure Python)
 slot = int(os.environ.get("TFDP_SLOT", ClusterConfig.from_env().rank))
 attempt = int(os.environ.get("TFDP_ATTEMPT", "0"))
 out = os.environ["TFDP_TEST_OUT"]
-with open(os.path.join(out, f"pid-slot{slot}-attempt{attempt}"), "w") as f:
+pid_file = os.path.join(out, f"pid-slot{slot}-attempt{attempt}")
+with open(pid_file + ".tmp", "w") as f:
     f.write(str(os.getpid()))
+os.replace(pid_file + ".tmp", pid_file)  # whole or absent: the tests read it as soon as it exists
 broken = os.environ.get("TFDP_TEST_BROKEN_SLOT")
 if broken is not None and int(broken) == slot and attempt >= 1:
     print(f"slot {slot}: this host is gone (attempt {attempt})", flush=True)

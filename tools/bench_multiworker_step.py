@@ -1,0 +1,339 @@
+"""Two workers on loopback: tfdp against patched MultiWorkerMirroredStrategy and against tfdp
+before issue 20, in interleaved paired rounds, with the collectives each step runs.
+
+tfdp and "before" train as a real job would, with ``tfdp.callbacks.BackupAndRestore`` (stop
+agreement every step, saving at the epoch's end, after the measured steps); MWMS has no
+per-step stop agreement (``--nobackup`` drops it for a plain comparison).
+
+Layouts: 2 workers x 1 CPU replica and 2 workers x 2 CPU replicas (tfdp-run, 127.0.0.1).
+Models: ``tiny`` (a 32-64-4 MLP whose step is well under a millisecond of compute) and ``mlp``
+(the 1.05M-parameter benchmark MLP). Implementations, each in fresh processes:
+
+* ``tfdp``: this tree, input through ``tfdp.data.distribute``;
+* ``mwms``: ``tf.distribute.MultiWorkerMirroredStrategy`` with the two Keras-3 fixes of
+  TF_NOTES.md (and, for 2 replicas per worker, its local devices set to 2 logical CPUs, which
+  the stock class never uses on a CPU host), input through Keras's own distribution;
+* ``before``: tfdp at ``--before_commit`` (default 971cce4, before issue 20's leaner step:
+  the end-of-data all-reduce every step, the stop flag's own all-reduce),
+  checked out with ``git worktree add`` into ``--before_dir``.
+
+A round runs every (model, layout) once per implementation, in an order rotated every round;
+the per-round ratios tfdp/mwms and tfdp/before (of throughput) are summarised by their median
+and spread, since this host's noise between processes is about +-25%. Each run appends one
+JSON line to ``--results``, so the rounds can run in several invocations (one per lock) and
+``--report`` summarises them. A separate short run per configuration counts the collectives
+of a training step (``tfdp.resilience.stragglers`` times, hence counts, every collective).
+
+    python tools/bench_multiworker_step.py --rounds=15          # ~30 min in all
+    python tools/bench_multiworker_step.py --rounds=1           # one round (~2 min), appended
+    python tools/bench_multiworker_step.py --report             # docs/bench_multiworker_step.*
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import report  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("rounds", 1, "Interleaved rounds to run now (appended to --results).")
+flags.DEFINE_list("models", ["tiny", "mlp"], "Models: tiny, mlp.")
+flags.DEFINE_list("layouts", ["1", "2"], "CPU replicas per worker (2 workers each).")
+flags.DEFINE_list("impls", ["tfdp", "mwms", "before"], "Implementations to compare.")
+flags.DEFINE_integer("warmup", 20, "Steps before the measured ones.")
+flags.DEFINE_integer("steps", 100, "Measured steps per run.")
+flags.DEFINE_boolean("count", True, "Also count the collectives per step (one short run each).")
+flags.DEFINE_boolean("report", False, "Only summarise --results into --out.")
+flags.DEFINE_string("results", "docs/benchmarks/bench_multiworker_step.jsonl", "Raw results.")
+flags.DEFINE_string("out", "docs/benchmarks/bench_multiworker_step", "Output prefix.")
+flags.DEFINE_string("before_commit", "971cce4", "The tfdp commit to compare with.")
+flags.DEFINE_string("before_dir", "/tmp/tfdp-before", "Where its worktree is checked out.")
+# Child-process flags.
+flags.DEFINE_string("child", "", "Internal: implementation to run in this worker.")
+flags.DEFINE_string("model", "tiny", "Internal: model of --child.")
+flags.DEFINE_integer("replicas", 1, "Internal: CPU replicas per worker of --child.")
+flags.DEFINE_boolean("count_only", False, "Internal: count collectives instead of timing.")
+flags.DEFINE_string("backup_dir", "", "Internal: tfdp.callbacks.BackupAndRestore's directory "
+                    "for tfdp and before (empty: none).")
+flags.DEFINE_boolean("backup", True, "tfdp and before train with BackupAndRestore(check_every=1) "
+                     "(preemption-safe, as a real job; MWMS has no per-step stop agreement).")
+
+PER_REPLICA_BATCH = {"tiny": 32, "mlp": 64}
+FEATURES = {"tiny": 32, "mlp": 256}
+
+
+def build(name, keras):
+    if name == "tiny":
+        return keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="relu"),
+                                 keras.layers.Dense(4)])
+    from models import build_model
+
+    return build_model(name, keras)
+
+
+def patched_mwms(tf, local_cpus):
+    """MultiWorkerMirroredStrategy with TF_NOTES.md's Keras-3 fixes (reduce mapped over
+    nests, axis=None for scalars); with ``local_cpus`` > 1 its extended object uses that many
+    logical CPUs (the hook tfdp overrides too, pinned in tests/test_tf_private.py)."""
+    from tfdp import _tf_private
+
+    class LocalCPUs(_tf_private.CollectiveAllReduceExtended):
+        def _initialize_local_devices(self, cluster_resolver, worker_device):
+            return tuple(f"{worker_device}/device:CPU:{i}" for i in range(local_cpus)), "CPU"
+
+    class PatchedMWMS(tf.distribute.MultiWorkerMirroredStrategy):
+        def __init__(self):
+            if local_cpus == 1:
+                super().__init__()
+                return
+            resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+            _tf_private.StrategyBase.__init__(self, LocalCPUs(
+                self, cluster_resolver=resolver,
+                communication_options=tf.distribute.experimental.CommunicationOptions()))
+
+        def reduce(self, reduce_op, value, axis=None):
+            flat = tf.nest.flatten(value)
+            if len(flat) != 1 or flat[0] is not value:
+                return tf.nest.map_structure(lambda v: self.reduce(reduce_op, v, axis), value)
+            if axis is not None and all(p.shape.rank == 0 for p in self.experimental_local_results(value)):
+                axis = None
+            return super().reduce(reduce_op, value, axis)
+
+    return PatchedMWMS()
+
+
+def _load_counter():
+    """This tree's collective counter, loaded by file so that it also counts for the tfdp
+    of another commit (whose package has no counter) and for MWMS."""
+    modules = {}
+    for name, path in (("private", "tfdp/_tf_private.py"),
+                       ("stragglers", "tfdp/resilience/stragglers.py")):
+        spec = importlib.util.spec_from_file_location(f"bench_now_{name}", os.path.join(ROOT, path))
+        modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(modules[name])
+    # The timing ops must run order-independently (this tree's rule), whatever tfdp is imported.
+    modules["stragglers"]._independent = lambda t: (  # noqa: SLF001
+        modules["private"].run_independently(getattr(t, "op", t)), t)[1]
+    modules["private"].patch_collective_ops(modules["stragglers"]._timed)  # noqa: SLF001
+    timer = modules["stragglers"].StepTimer()
+    timer.listen()
+    return modules["stragglers"].collectives_executed
+
+
+def child():
+    import numpy as np
+    import keras
+    import tensorflow as tf
+    import tfdp
+
+    kind, name = FLAGS.child, FLAGS.model
+    count = _load_counter() if FLAGS.count_only else None
+    if kind == "mwms":
+        tfdp.configure_cpu_replicas(FLAGS.replicas)
+        strategy = patched_mwms(tf, FLAGS.replicas)
+    else:
+        strategy = tfdp.DataParallelStrategy()  # TFDP_CPU_REPLICAS from tfdp-run
+    global_batch = PER_REPLICA_BATCH[name] * strategy.num_replicas_in_sync
+    steps = FLAGS.warmup + (10 if FLAGS.count_only else FLAGS.steps)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(global_batch * steps, FEATURES[name])).astype("float32")
+    y = rng.integers(0, 4, size=len(x)).astype("int32")
+    source = tf.data.Dataset.from_tensor_slices((x, y))
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = build(name, keras)
+        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    train = (source.batch(global_batch) if kind == "mwms"
+             else tfdp.data.distribute(strategy, source, global_batch))
+
+    class Stamps(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.times, self.counts = [], []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.times.append(time.perf_counter())
+            if count is not None:
+                self.counts.append(count())
+
+    stamps = Stamps()
+    callbacks = [stamps]
+    if kind != "mwms" and FLAGS.backup_dir:  # saves at the epoch's end, after the measurement
+        callbacks.insert(0, tfdp.callbacks.BackupAndRestore(FLAGS.backup_dir, save_freq="epoch",
+                                                            dataset=train, check_every=1))
+    model.fit(train, epochs=1, verbose=0, callbacks=callbacks)
+    result = {"impl": kind, "model": name, "replicas": FLAGS.replicas,
+              "params": model.count_params()}
+    if count is not None:
+        deltas = [b - a for a, b in zip(stamps.counts[FLAGS.warmup:], stamps.counts[FLAGS.warmup + 1:])]
+        result["collectives_per_step"] = statistics.median(deltas) / FLAGS.replicas
+    else:
+        deltas = [b - a for a, b in zip(stamps.times[FLAGS.warmup:], stamps.times[FLAGS.warmup + 1:])]
+        result["step_ms"] = 1000 * statistics.median(deltas)
+        result["samples_per_s"] = global_batch / statistics.median(deltas)
+    print("RESULT " + json.dumps(result), flush=True)  # tfdp-run shows the chief's
+
+
+def ensure_before_tree():
+    if not os.path.isdir(os.path.join(FLAGS.before_dir, "tfdp")):
+        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", FLAGS.before_dir,
+                        FLAGS.before_commit], check=True, capture_output=True)
+
+
+def launch(impl, model, replicas, count_only=False):
+    tree = FLAGS.before_dir if impl == "before" else ROOT
+    env = dict(os.environ, PYTHONPATH=tree + os.pathsep + HERE)
+    env.pop("TF_CONFIG", None)
+    backup = tempfile.mkdtemp(prefix="bench-backup-") if FLAGS.backup and impl != "mwms" else ""
+    cmd = [sys.executable, "-m", "tfdp.run", "--workers", "2", "--cpu-replicas", str(replicas),
+           "--timeout", "600", "--", sys.executable, os.path.abspath(__file__),
+           f"--child={'tfdp' if impl == 'before' else impl}", f"--model={model}",
+           f"--replicas={replicas}", f"--warmup={FLAGS.warmup}", f"--steps={FLAGS.steps}",
+           f"--count_only={count_only}", f"--backup_dir={backup}"]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    finally:
+        if backup:
+            shutil.rmtree(backup, ignore_errors=True)
+    for line in (proc.stdout + proc.stderr).splitlines():
+        if "RESULT " in line:
+            result = json.loads(line.split("RESULT ", 1)[1])
+            result["impl"] = impl
+            return result
+    raise RuntimeError(f"{impl}/{model}/{replicas}: no result (exit {proc.returncode}):\n"
+                       + "\n".join((proc.stdout + proc.stderr).splitlines()[-20:]))
+
+
+def append(row):
+    os.makedirs(os.path.dirname(FLAGS.results) or ".", exist_ok=True)
+    with open(FLAGS.results, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def run_rounds():
+    if "before" in FLAGS.impls:
+        ensure_before_tree()
+    existing = load_rows()
+    first = 1 + max((r["round"] for r in existing if "round" in r), default=0)
+    started = time.time()
+    for r in range(first, first + FLAGS.rounds):
+        for model in FLAGS.models:
+            for replicas in map(int, FLAGS.layouts):
+                shift = r % len(FLAGS.impls)  # rotate the order every round
+                for impl in FLAGS.impls[shift:] + FLAGS.impls[:shift]:
+                    row = dict(launch(impl, model, replicas), round=r)
+                    append(row)
+                    print(f"[{time.time() - started:5.0f}s] round {r} {model:4s} 2x{replicas} "
+                          f"{impl:6s} {row['step_ms']:7.2f} ms/step", flush=True)
+    if FLAGS.count:
+        counted = {(c["impl"], c["model"], c["replicas"]) for c in existing if "collectives_per_step" in c}
+        for model in FLAGS.models:
+            for replicas in map(int, FLAGS.layouts):
+                for impl in FLAGS.impls:
+                    if (impl, model, replicas) not in counted:
+                        row = launch(impl, model, replicas, count_only=True)
+                        append(row)
+                        print(f"collectives per step: {model} 2x{replicas} {impl}: "
+                              f"{row['collectives_per_step']:g}", flush=True)
+
+
+def load_rows():
+    if not os.path.exists(FLAGS.results):
+        return []
+    with open(FLAGS.results) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def ratios(rows, model, replicas, against):
+    """Per-round throughput ratios tfdp / ``against``."""
+    by_round = {}
+    for r in rows:
+        if "round" in r and r["model"] == model and r["replicas"] == replicas:
+            by_round.setdefault(r["round"], {})[r["impl"]] = r["samples_per_s"]
+    return [v["tfdp"] / v[against] for v in by_round.values() if "tfdp" in v and against in v]
+
+
+def summarise():
+    rows = load_rows()
+    counts = {(r["impl"], r["model"], r["replicas"]): r["collectives_per_step"]
+              for r in rows if "collectives_per_step" in r}
+    lines = ["| model | layout | impl | ms/step (median of rounds) | collectives/step/replica |",
+             "|---|---|---|---:|---:|"]
+    table = ["| model | layout | rounds | tfdp/MWMS median [min, max] | tfdp/before median [min, max] |",
+             "|---|---|---:|---|---|"]
+    csv_rows = []
+    for model in FLAGS.models:
+        for replicas in map(int, FLAGS.layouts):
+            for impl in FLAGS.impls:
+                times = [r["step_ms"] for r in rows if "round" in r and r["impl"] == impl
+                         and r["model"] == model and r["replicas"] == replicas]
+                c = counts.get((impl, model, replicas))
+                if times:
+                    lines.append(f"| {model} | 2x{replicas} | {impl} | {statistics.median(times):.2f} | "
+                                 + (f"{c:g} |" if c is not None else "- |"))
+            cells = []
+            for against in ("mwms", "before"):
+                q = ratios(rows, model, replicas, against)
+                cells.append(f"{statistics.median(q):.3f} [{min(q):.3f}, {max(q):.3f}]" if q else "-")
+                csv_rows.append({"model": model, "replicas": replicas, "against": against,
+                                 "rounds": len(q), "median_ratio": statistics.median(q) if q else None,
+                                 "min": min(q) if q else None, "max": max(q) if q else None})
+            n = len(ratios(rows, model, replicas, "mwms"))
+            table.append(f"| {model} | 2x{replicas} | {n} | {cells[0]} | {cells[1]} |")
+    text = "\n".join(["# Two workers on loopback: tfdp, MultiWorkerMirroredStrategy, tfdp before",
+                      "", "Throughput ratios of interleaved paired rounds (>1: tfdp faster). "
+                      f"Before = tfdp at {FLAGS.before_commit}. Command: "
+                      "`python tools/bench_multiworker_step.py --rounds=15` (then `--report`).",
+                      "", *table, "", *lines])
+    print(text)
+    report.write_text(FLAGS.out + ".md", text)
+    if csv_rows:
+        report.write_csv(FLAGS.out + ".csv", csv_rows)
+    plot(rows)
+
+
+def plot(rows):
+    plt = report.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    for ax, against in zip(axes, ("mwms", "before")):
+        labels, data = [], []
+        for model in FLAGS.models:
+            for replicas in map(int, FLAGS.layouts):
+                q = ratios(rows, model, replicas, against)
+                if q:
+                    labels.append(f"{model}\n2x{replicas}")
+                    data.append(q)
+        if data:
+            ax.boxplot(data)
+            ax.set_xticks(range(1, len(labels) + 1), labels)
+        ax.axhline(1.0, color="grey", linestyle=":")
+        ax.set_title(f"tfdp / {against}: per-round throughput ratio")
+    report.save_figure(fig, FLAGS.out + ".png")
+
+
+def main(argv):
+    del argv
+    if FLAGS.child:
+        return child()
+    if not FLAGS.report:
+        run_rounds()
+    summarise()
+
+
+if __name__ == "__main__":
+    app.run(main)
