@@ -124,6 +124,7 @@ def _load_counter():
                        ("stragglers", "tfdp/resilience/stragglers.py")):
         spec = importlib.util.spec_from_file_location(f"bench_now_{name}", os.path.join(ROOT, path))
         modules[name] = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = modules[name]  # dataclasses look their module up there
         spec.loader.exec_module(modules[name])
     # The timing ops must run order-independently (this tree's rule), whatever tfdp is imported.
     modules["stragglers"]._independent = lambda t: (  # noqa: SLF001
