@@ -121,7 +121,9 @@ def fresh_rounds(before):
     variants = [(v, "") for v in FRESH_VARIANTS] + ([("native", before)] if before else [])
     names = {("mirrored", ""): "Mirrored experimental_distribute_dataset",
              ("native", ""): "tfdp native TFRecordDataset(files).map",
-             ("files", ""): "tfdp Files", ("native", before): "tfdp before, native"}
+             ("files", ""): "tfdp Files"}
+    if before:  # "" would overwrite this tree's native variant
+        names[("native", before)] = "tfdp before, native"
     rows = []
     for r in range(FLAGS.rounds):
         shift = r % len(variants)
@@ -170,7 +172,8 @@ def plot_fresh(rows, summary, prefix):
     fig, ax = plt.subplots(figsize=(9, 4))
     variants = [s["variant"] for s in summary]
     ax.boxplot([[r["seconds"] for r in rows if r["variant"] == v] for v in variants],
-               vert=False, labels=variants)
+               vert=False)
+    ax.set_yticks(range(1, len(variants) + 1), variants)
     ax.set_xlabel("seconds: distribute + first batch, fresh process")
     ax.set_title(f"tfdp.data vs MirroredStrategy, {FLAGS.files} files, {FLAGS.replicas} CPU "
                  f"replicas, {FLAGS.rounds} interleaved rounds", fontsize=10)
