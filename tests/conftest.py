@@ -19,3 +19,50 @@ from helpers import cpu_devices  # noqa: E402  (after the devices are configured
 def strategy4():
     """A DataParallelStrategy over the 4 logical CPU devices, one per test module."""
     return tfdp.DataParallelStrategy(devices=cpu_devices(NUM_CPU_REPLICAS))
+
+
+# In-process tests that took 8 s or more each (per-test duration log of the whole suite on
+# this 2-core host, 2 xdist processes): in the whole suite only, so that the README's quick
+# subset (-m "not slow") stays under 5 minutes. The quick subset keeps the core equivalences
+# (test_replicas_train_like_one_device, test_sharded_equals_unsharded).
+HEAVY_IN_PROCESS = frozenset([
+    "test_backup.py::test_guard_a_resume_without_positioning_redoes_steps_and_says_so",
+    "test_backup.py::test_resume_from_a_tf_io_gfile_filesystem_is_step_exact",
+    "test_backup.py::test_resume_mid_epoch_is_step_exact",
+    "test_custom_loop.py::test_custom_loop_resumed_from_a_checkpoint_equals_uninterrupted",
+    "test_data.py::test_set_position_yields_the_tail_of_the_epoch",
+    "test_data_files.py::test_native_pipeline_exactly_once_on_four_replicas",
+    "test_data_service.py::test_every_element_once_per_epoch_through_the_service",
+    "test_equivalence.py::test_clipping_acts_on_the_reduced_gradient",
+    "test_large_batch.py::test_gradient_accumulation_gives_the_same_trial",
+    "test_optimizers.py::test_distributed_training_equals_single_device",
+    "test_optimizers.py::test_fresh_process_load_model_finds_tfdp_classes",
+    "test_optimizers.py::test_mixed_precision_loss_scaling",
+    "test_resilience.py::test_a_kill_at_any_point_of_a_backup_leaves_a_loadable_one",
+    "test_sharding.py::test_checkpoint_restores_on_another_replica_count",
+    "test_sharding.py::test_loss_scale_optimizer_mixed_precision",
+    "test_sharding.py::test_tf_train_checkpoint_restores_on_another_replica_count",
+    "test_strategy.py::test_backup_and_restore_resumes_exactly",
+    "test_strategy.py::test_bucket_sizes_do_not_change_results",
+    "test_strategy.py::test_compression_stays_within_dtype_tolerance",
+    "test_strategy.py::test_dropout_trains_and_replicas_stay_identical",
+    "test_strategy.py::test_evaluate_and_predict_match_single_device",
+    "test_strategy.py::test_shuffled_resume_replays_the_uninterrupted_order",
+    "test_strategy.py::test_synchronized_batchnorm_uses_global_batch_statistics",
+    "test_xla.py::test_compile_gradients_in_a_custom_loop_equals_one_device",
+    "test_xla.py::test_evaluate_and_predict_with_xla_equal_one_device",
+    "test_xla.py::test_four_replicas_with_xla_train_like_one_device",
+    "test_xla.py::test_jit_compile_true_on_cpu_replicas_fits_evaluates_and_predicts",
+    "test_xla.py::test_state_updates_under_xla_equal_without",
+    "test_zero2.py::test_accumulation_equals_one_device_at_k_times_the_batch",
+    "test_zero2.py::test_ema_sharded_equals_unsharded",
+    "test_zero2.py::test_guard_accumulation_changes_the_result",
+    "test_zero2.py::test_local_accumulation_equals_one_device_at_k_times_the_batch",
+])
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = f"{item.path.name}::{item.originalname}"
+        if name in HEAVY_IN_PROCESS:
+            item.add_marker(pytest.mark.slow)

@@ -76,7 +76,13 @@ def test_launcher_does_not_import_tensorflow():
     assert out.stdout.strip() == "False False", out.stderr
 
 
-HELLO = ("import os, sys; r = int(os.environ['TFDP_RANK']); print('hello', r);"
+# Worker 1 fails (exit 7) only once worker 0 has printed its line (a file next to the script
+# says so), so that tfdp-run's stop of worker 0 cannot cut that line on a loaded host.
+HELLO = ("import os, sys, time; r = int(os.environ['TFDP_RANK']); print('hello', r, flush=True);"
+         "done = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'printed-0');"
+         "r == 0 and open(done, 'w').close();"
+         "end = time.monotonic() + 30\n"
+         "while r == 1 and not os.path.exists(done) and time.monotonic() < end: time.sleep(0.01)\n"
          "open(os.environ['TFDP_READY_FILE'], 'w').close(); sys.exit(7 if r == 1 else 0)")
 
 
