@@ -25,6 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import report  # noqa: E402
+from baselines import patched_mwms  # noqa: E402
 from models import build_model  # noqa: E402,F401  (flag-free: shared with other tools)
 
 FLAGS = flags.FLAGS
@@ -45,21 +46,6 @@ PER_REPLICA_BATCH = {"mlp": 64, "convnet": 32, "transformer": 32}
 
 def input_shape(name):
     return {"mlp": (256,), "convnet": (32, 32, 3), "transformer": (32, 64)}[name]
-
-
-def patched_mwms(tf):
-    """MultiWorkerMirroredStrategy with the two Keras-3 fixes from TF_NOTES.md applied."""
-
-    class PatchedMWMS(tf.distribute.MultiWorkerMirroredStrategy):
-        def reduce(self, reduce_op, value, axis=None):
-            flat = tf.nest.flatten(value)
-            if len(flat) != 1 or flat[0] is not value:
-                return tf.nest.map_structure(lambda v: self.reduce(reduce_op, v, axis), value)
-            if axis is not None and all(p.shape.rank == 0 for p in self.experimental_local_results(value)):
-                axis = None
-            return super().reduce(reduce_op, value, axis)
-
-    return PatchedMWMS()
 
 
 def child():
