@@ -378,3 +378,23 @@ def test_collective_ops_patch_times_every_collective_of_a_step():
     assert stragglers.collectives_executed() - before == 3 * 2
     means, _ = timer.window()  # no step closed: nothing averaged, waits were recorded
     assert means == [0.0] * 5 and len(timer._waits) == 6  # noqa: SLF001
+
+
+def test_autograph_user_function_converts_beneath_do_not_convert():
+    """Pins AutoGraph's control-status context and tf_convert (tfdp/data's pipeline function
+    is unconverted; a user's parse function traced beneath it must still be converted)."""
+    import tensorflow as tf
+
+    def parse(x):
+        if x > 0:  # a Python if on a tensor: needs AutoGraph
+            return x
+        return -x
+
+    @tf.autograph.experimental.do_not_convert
+    def pipeline(wrap):
+        return tf.data.Dataset.from_tensor_slices([-2, 3]).map(wrap(parse))
+
+    assert list(pipeline(_tf_private.autograph_user_function).as_numpy_iterator()) == [2, 3]
+    with pytest.raises(Exception, match="AutoGraph|Python bool|tf.Tensor"):  # guard
+        pipeline(lambda fn: fn)
+    assert _tf_private.autograph_user_function(None) is None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tfdp import _tf_private
 from tfdp.data import graph as graph_lib
 from tfdp.data.errors import DataShardingError, log_once
 
@@ -59,6 +60,9 @@ class WorkerStream:
         local = max(1, ctx.num_replicas_in_sync // num_pipelines)
         source_ds = self._source(ctx)
 
+        # tfdp's own pipeline code needs no AutoGraph (no Python control flow on tensors), and
+        # converting it was most of distribute()'s set-up; user functions traced beneath keep it.
+        @tf.autograph.experimental.do_not_convert
         def per_iterator(_):
             state = self.state.tensor()
             ds = self._epoch(state, source_ds, w, num_pipelines)
@@ -126,8 +130,8 @@ class WorkerStream:
         if plan.policy == "data":
             ds = ds.shard(num_pipelines, w)
         if plan.kind == "files" and plan.source.parse_fn is not None:
-            ds = ds.map(plan.source.parse_fn, num_parallel_calls=tf.data.AUTOTUNE,
-                        deterministic=True)
+            ds = ds.map(_tf_private.autograph_user_function(plan.source.parse_fn),
+                        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         return ds
 
 

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
+from tfdp import _tf_private
 from tfdp.data import records
 from tfdp.data.errors import DataShardingError
 
@@ -50,7 +51,10 @@ class Files:
 
     def open(self, filenames) -> tf.data.Dataset:
         if callable(self.reader):
-            return filenames.interleave(self.reader, num_parallel_calls=tf.data.AUTOTUNE,
+            # The reader is the user's: AutoGraph on, as for any function given to tf.data,
+            # although tfdp opens the files inside its own unconverted pipeline function.
+            return filenames.interleave(_tf_private.autograph_user_function(self.reader),
+                                        num_parallel_calls=tf.data.AUTOTUNE,
                                         deterministic=True)
         cls = self.reader_class()
         return filenames.interleave(lambda f: cls(f, compression_type=self.compression_type),
