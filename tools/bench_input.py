@@ -172,7 +172,7 @@ def plot_fresh(rows, summary, prefix):
     fig, ax = plt.subplots(figsize=(9, 4))
     variants = [s["variant"] for s in summary]
     ax.boxplot([[r["seconds"] for r in rows if r["variant"] == v] for v in variants],
-               vert=False)
+               orientation="horizontal")
     ax.set_yticks(range(1, len(variants) + 1), variants)
     ax.set_xlabel("seconds: distribute + first batch, fresh process")
     ax.set_title(f"tfdp.data vs MirroredStrategy, {FLAGS.files} files, {FLAGS.replicas} CPU "
