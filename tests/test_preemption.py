@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from launching import finish_job, run_job, start_job, wait_for_file
@@ -142,10 +143,19 @@ def test_the_stop_flag_rides_in_the_gradient_reduction(tmp_path):
     assert code == 0, log
     counts = json.loads(log.split("COUNTS ", 1)[1].splitlines()[0])
     per_step = {name: statistics.median(c[1:]) for name, c in counts.items()
-                if isinstance(c, list)}
+                if isinstance(c, list) and not name.startswith("losses")}
     print("collectives per step:", per_step)
     assert counts["adam_rides"] and per_step["adam"] >= 2
     assert per_step["adam_backup"] == per_step["adam"]  # the flag costs no collective
+    # The logs (Keras's metric results) ride too: one collective per step and local replica,
+    # where a train_step of the user's own (Keras's, reached through an override) keeps
+    # Keras's per-step all-reduce of the logs (the guard); the logs are the same.
+    assert per_step["adam"] == 2
+    assert per_step["adam_own_step"] == per_step["adam"] + 2
+    (batch_riding, epoch_riding), (batch_keras, epoch_keras) = (counts["losses_riding"],
+                                                                counts["losses_keras"])
+    np.testing.assert_allclose(batch_riding, batch_keras, rtol=1e-6)
+    np.testing.assert_allclose(epoch_riding, epoch_keras, rtol=1e-6)
     # Guard: ShardedOptimizer reduces its own way, so the flag takes its own all-reduce
     # (one per local replica), and the count shows it.
     assert not counts["sharded_rides"]

@@ -231,6 +231,48 @@ def test_compression_stays_within_dtype_tolerance(compression, tol):
     np.testing.assert_allclose(hist["loss"], ref_hist["loss"], rtol=tol)
 
 
+@pytest.mark.parametrize("compression", [None, "fp16"])
+def test_logs_ride_in_the_gradient_all_reduce_and_pass_the_strategy_reduce(compression):
+    """collectives.LogsRider: each replica's logs come back averaged over all replicas from
+    the gradient all-reduce (no collective of their own), and strategy.reduce passes them
+    through. Guards: a reduction under a condition (gradient accumulation, loss scaling) and
+    a compressed bucket leave the logs to the usual reduction."""
+    from tfdp import collectives
+
+    strategy = tfdp.DataParallelStrategy(devices=cpu_devices(4), compression=compression)
+
+    def replica_fn(conditional):
+        ctx = tf.distribute.get_replica_context()
+        r = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
+        logs = {"loss": r + 1.0, "acc": 10.0 * r}
+        rider = collectives.LogsRider.of(logs, ctx.num_replicas_in_sync)
+        grads = [tf.fill([3], r)]
+        with collectives.riding_with_gradients(rider):
+            if conditional:
+                grads = tf.cond(r >= 0.0, lambda: collectives.all_reduce_gradients(grads),
+                                lambda: grads)
+            else:
+                grads = collectives.all_reduce_gradients(grads)
+        reduced = rider.mean_logs()
+        return (reduced if reduced is not None else logs), grads[0], reduced is not None
+
+    results = {}
+    for conditional in (False, True):
+        @tf.function
+        def step():
+            logs, grads, rode = strategy.run(replica_fn, args=(conditional,))
+            rode = strategy.experimental_local_results(rode)
+            return strategy.reduce("MEAN", logs, axis=0), grads, rode
+        logs, grads, rode = step()
+        results[conditional] = {k: float(v) for k, v in logs.items()}, rode
+        for g in strategy.experimental_local_results(grads):
+            np.testing.assert_allclose(g.numpy(), [6.0] * 3)  # 0+1+2+3: the gradients intact
+    for conditional, (logs, rode) in results.items():
+        assert logs == {"loss": 2.5, "acc": 15.0}  # the mean over replicas, either way
+        expected = not conditional and compression is None
+        assert all(bool(r) is expected for r in rode), (conditional, compression)
+
+
 # --- Keras features ----------------------------------------------------------------------
 
 def test_evaluate_and_predict_match_single_device():

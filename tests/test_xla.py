@@ -46,6 +46,17 @@ def test_step_plan_policy(jit, replicas, keras_step, expected):
     assert expected in xla.STEP_PLANS
 
 
+@pytest.mark.parametrize("kind,workers,keras_step,expected", [
+    ("train", 2, True, True),
+    ("train", 1, True, False),    # one worker: Keras averages the logs locally, no collective
+    ("train", 2, False, False),   # the user's own train_step keeps its order
+    ("test", 2, True, False),     # no gradients to ride with
+])
+def test_logs_ride_with_the_gradients_only_where_a_collective_is_saved(kind, workers, keras_step,
+                                                                       expected):
+    assert xla.rides_metrics(kind, workers, keras_step) is expected
+
+
 def test_jit_compile_policy_refuses_only_what_xla_cannot_compile():
     message = strategy_lib.jit_compile_error("CPU", 4)
     for needed in ("jit_compile=True", "4 CPU replicas", "cross-replica collectives",

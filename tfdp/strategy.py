@@ -474,9 +474,20 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         flat = tf.nest.flatten(value, expand_composites=False)
         if len(flat) != 1 or flat[0] is not value:
             return tf.nest.map_structure(lambda v: self.reduce(reduce_op, v, axis), value)
+        parts = (self.experimental_local_results(value)
+                 if isinstance(value, _tf_private.DistributedValues) else [value])
+        if _is_mean(reduce_op) and collectives.is_reduced(parts):
+            # A multi-worker train step's logs rode in its gradient all-reduce
+            # (collectives.LogsRider): every replica holds their mean already.
+            return parts[0]
         if axis is not None:
-            parts = (self.experimental_local_results(value)
-                     if isinstance(value, _tf_private.DistributedValues) else [value])
             if all(getattr(p, "shape", None) is not None and p.shape.rank == 0 for p in parts):
                 axis = None
         return super().reduce(reduce_op, value, axis)
+
+
+def _is_mean(reduce_op) -> bool:
+    try:
+        return tf.distribute.ReduceOp(reduce_op) == tf.distribute.ReduceOp.MEAN
+    except ValueError:
+        return False

@@ -37,10 +37,10 @@ import weakref
 import keras
 import tensorflow as tf
 
-from tfdp import _tf_private
+from tfdp import _tf_private, collectives
 
 __all__ = ["compile_gradients", "CompiledGradients", "compiled_train_step",
-           "resolve_auto_jit_compile", "step_plan", "install_keras_hooks", "STEP_PLANS"]
+           "resolve_auto_jit_compile", "step_plan", "rides_metrics", "install_keras_hooks", "STEP_PLANS"]
 
 log = logging.getLogger("tfdp")
 
@@ -81,6 +81,19 @@ def step_plan(jit_compile: bool, num_replicas_in_sync: int, keras_step: bool) ->
     if not jit_compile or num_replicas_in_sync == 1:
         return "keras"
     return "split" if keras_step else "no_xla"
+
+
+def rides_metrics(kind: str, num_workers: int, keras_step: bool) -> bool:
+    """Whether a Keras step's logs ride in its gradient all-reduce; pure policy.
+
+    Keras averages the logs (metric results) of every multi-worker step with an all-reduce of
+    their own: one more cross-host round trip per step. In Keras's own train step the metrics
+    depend on the forward pass only, so tfdp computes them before the update and sends them
+    with the gradients (``collectives.LogsRider``): one collective per step instead of two.
+    Not for test steps (no gradients), one worker (Keras averages its replicas' logs locally,
+    without a collective) or an overridden ``train_step`` (its order is the user's).
+    """
+    return kind == "train" and num_workers > 1 and keras_step
 
 
 class CompiledGradients:
@@ -230,9 +243,9 @@ def compiled_train_step(model):
     return _compiled_steps.get(model)
 
 
-def _train_step(model):
+def _train_step(model, ride_logs=False):
     """tfdp's split train step for ``model`` (Keras's TensorFlow train_step, same order of
-    loss, loss tracker and metrics)."""
+    loss, loss tracker and metrics); ``ride_logs``: see ``rides_metrics``."""
 
     def forward_backward(data, loss_scale):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -256,13 +269,47 @@ def _train_step(model):
         loss_scale = (optimizer.scale_loss(tf.constant(1.0)) if optimizer is not None
                       else tf.constant(1.0))
         (_, logs), grads = compiled(data, loss_scale)
-        if trainable:
-            optimizer.apply_gradients(zip(grads, trainable))
-        else:
-            log.warning("tfdp: the model does not have any trainable weights.")
-        return logs
+        return _apply_gradients(model, grads, trainable, logs, ride_logs)
 
     return train_step
+
+
+def _riding_train_step(model):
+    """Keras's TensorFlow train_step with the metrics computed before the update instead of
+    after it (they read the forward pass only), so that the logs ride in the gradient
+    all-reduce (``rides_metrics``)."""
+
+    def train_step(data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        optimizer = model.optimizer
+        with tf.GradientTape() as tape:
+            y_pred = _call_model(model, x, training=True)
+            loss = _tf_private.keras_compute_loss(model, x, y, y_pred, sample_weight, training=True)
+            _tf_private.keras_loss_tracker(model).update_state(
+                _tf_private.unscale_loss_for_distribution(loss), sample_weight=_batch_size(x))
+            if optimizer is not None:
+                loss = optimizer.scale_loss(loss)
+        logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        trainable = list(model.trainable_weights)
+        grads = tape.gradient(loss, trainable) if trainable else []
+        return _apply_gradients(model, grads, trainable, logs, ride_logs=True)
+
+    return train_step
+
+
+def _apply_gradients(model, grads, trainable, logs, ride_logs):
+    """The optimizer's update; returns the logs, averaged over all replicas already where
+    ``ride_logs`` and they rode in the gradient all-reduce."""
+    if not trainable:
+        log.warning("tfdp: the model does not have any trainable weights.")
+        return logs
+    rider = None
+    if ride_logs:
+        rider = collectives.LogsRider.of(logs, tf.distribute.get_replica_context().num_replicas_in_sync)
+    with collectives.riding_with_gradients(rider):
+        model.optimizer.apply_gradients(zip(grads, trainable))
+    reduced = rider.mean_logs() if rider is not None else None
+    return logs if reduced is None else reduced
 
 
 def _test_step(model):
@@ -354,7 +401,9 @@ def _build_step(model, kind, original, strategy):
     attribute = f"{kind}_function"
     plan = step_plan(bool(model.jit_compile), strategy.num_replicas_in_sync,
                      _keras_step(model, f"{kind}_step"))
-    if plan == "keras":
+    ride_logs = rides_metrics(kind, _tf_private.extended_num_workers(strategy.extended),
+                              _keras_step(model, f"{kind}_step"))
+    if plan == "keras" and not (ride_logs and not model.jit_compile):
         original(model, True)
         return getattr(model, attribute)
     if plan == "no_xla":
@@ -365,7 +414,9 @@ def _build_step(model, kind, original, strategy):
                    "tfdp.compile_gradients inside it for XLA.", type(model).__name__, kind)
     step = None
     if plan == "split":
-        step = _train_step(model) if kind == "train" else _test_step(model)
+        step = _train_step(model, ride_logs) if kind == "train" else _test_step(model)
+    elif plan == "keras":  # without XLA, the logs riding with the gradients
+        step = _riding_train_step(model)
     jit_compile = model.jit_compile
     model.jit_compile = False  # the outer, distributed step is not compiled
     try:

@@ -118,6 +118,7 @@ class _StopFlagRider:
 
         self.rides = True
         flag = tf.numpy_function(self._flag, [], tf.float32, stateful=True, name="tfdp_stop_flag")
+        flag.set_shape([])
         _tf_private.run_independently(flag.op)
         return flag
 
