@@ -420,3 +420,18 @@ def test_launcher_in_process(tmp_path, monkeypatch, waitid):
     assert "restart 1/3: worker 1 exited with 137 (SIGKILL)\n" in out.getvalue()
     assert "worker 1 dropped:" in out.getvalue()
     assert sorted(k for k in fake_worker_starts(tmp_path) if k[1] == 2) == [(0, 2), (2, 2)]
+
+
+def test_without_tensorflow_the_launcher_works_and_tfdp_says_what_to_install():
+    # TensorFlow is an extra of the package; tfdp-run and tfdp.cluster must not need it, and a
+    # TensorFlow-side name must say how to install it instead of a bare ModuleNotFoundError.
+    code = ("import sys; sys.modules['tensorflow'] = None\n"  # makes `import tensorflow` fail
+            "import tfdp, tfdp.run, tfdp.cluster\n"
+            "try:\n"
+            "    tfdp.DataParallelStrategy\n"
+            "except ImportError as e:\n"
+            "    print('ERROR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    assert "ERROR tfdp needs TensorFlow" in out.stdout and "tfdp[cpu]" in out.stdout, out.stdout

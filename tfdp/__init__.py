@@ -34,6 +34,15 @@ __all__ = ["callbacks", "ClusterConfig", "ClusterConfigError", "compile_gradient
 
 
 def _load_tensorflow_side():
+    try:
+        import tensorflow  # noqa: F401
+        import keras  # noqa: F401
+    except ImportError as error:
+        # The launcher and tfdp.cluster need neither, so TensorFlow is an extra of the package.
+        raise ImportError(
+            f"tfdp needs TensorFlow 2.20/2.21 and Keras 3 for this ({error}). Install them with "
+            "tfdp: pip install 'tfdp[cpu]' (CPU) or 'tfdp[and-cuda]' (GPUs), or pip install "
+            "tensorflow next to it.") from error
     for module in _TF_SIDE:
         _importlib.import_module(module)
     for name, module in _NAMES.items():
@@ -51,5 +60,5 @@ def __dir__():
     return sorted(set(globals()) | set(__all__))
 
 
-if "keras" in _sys.modules or "tensorflow" in _sys.modules:
+if _sys.modules.get("keras") is not None or _sys.modules.get("tensorflow") is not None:
     _load_tensorflow_side()
