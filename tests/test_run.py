@@ -431,7 +431,8 @@ def test_without_tensorflow_the_launcher_works_and_tfdp_says_what_to_install():
             "    tfdp.DataParallelStrategy\n"
             "except ImportError as e:\n"
             "    print('ERROR', e)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         timeout=120, cwd=root)
     assert out.returncode == 0, out.stderr
     assert "ERROR tfdp needs TensorFlow" in out.stdout and "tfdp[cpu]" in out.stdout, out.stdout

@@ -40,7 +40,8 @@ import tensorflow as tf
 from tfdp import _tf_private, collectives
 
 __all__ = ["compile_gradients", "CompiledGradients", "compiled_train_step",
-           "resolve_auto_jit_compile", "step_plan", "rides_metrics", "install_keras_hooks", "STEP_PLANS"]
+           "resolve_auto_jit_compile", "step_plan", "rides_metrics", "install_keras_hooks",
+           "STEP_PLANS"]
 
 log = logging.getLogger("tfdp")
 
@@ -305,7 +306,8 @@ def _apply_gradients(model, grads, trainable, logs, ride_logs):
         return logs
     rider = None
     if ride_logs:
-        rider = collectives.LogsRider.of(logs, tf.distribute.get_replica_context().num_replicas_in_sync)
+        num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        rider = collectives.LogsRider.of(logs, num_replicas)
     with collectives.riding_with_gradients(rider):
         model.optimizer.apply_gradients(zip(grads, trainable))
     reduced = rider.mean_logs() if rider is not None else None

@@ -84,6 +84,7 @@ for sharded in (False, True):
     result[name + "_backup"], backup = fit(True, sharded)
     result[name + "_rides"] = backup._stop.rides_with_gradients  # noqa: SLF001
 result["adam_own_step"], _ = fit(False, False, own_step=True)
-result["losses_riding"], result["losses_keras"] = fit.losses[(False, False)], fit.losses[(False, True)]
+result["losses_riding"] = fit.losses[(False, False)]
+result["losses_keras"] = fit.losses[(False, True)]
 if strategy.cluster.is_chief:
     print("COUNTS " + json.dumps(result), flush=True)
