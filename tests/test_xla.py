@@ -57,6 +57,20 @@ def test_logs_ride_with_the_gradients_only_where_a_collective_is_saved(kind, wor
     assert xla.rides_metrics(kind, workers, keras_step) is expected
 
 
+def test_an_instance_override_of_train_step_is_the_users_step():
+    # tfdp's own train steps (split, riding logs) do not call model.train_step, so an override
+    # on the instance must make tfdp keep Keras's path, which calls it; a wrapper marked
+    # transparent (StragglerMonitor's: it only observes) does not.
+    model = mlp()
+    assert xla._keras_step(model, "train_step")
+    original = model.train_step
+    model.train_step = lambda data: original(data)
+    assert not xla._keras_step(model, "train_step")
+    model.train_step._tfdp_transparent = True
+    assert xla._keras_step(model, "train_step")
+    assert xla._keras_step(model, "test_step")
+
+
 def test_jit_compile_policy_refuses_only_what_xla_cannot_compile():
     message = strategy_lib.jit_compile_error("CPU", 4)
     for needed in ("jit_compile=True", "4 CPU replicas", "cross-replica collectives",

@@ -264,6 +264,7 @@ def _train_step(model, ride_logs=False):
     _compiled_steps[model] = compiled
 
     def train_step(data):
+        _observe_batch(data)
         # The optimizer's loss scale (LossScaleOptimizer's dynamic scale is a variable) is
         # read here and passed in: loss * (1 * s) == loss * s exactly.
         optimizer = model.optimizer
@@ -281,6 +282,7 @@ def _riding_train_step(model):
     all-reduce (``rides_metrics``)."""
 
     def train_step(data):
+        _observe_batch(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         optimizer = model.optimizer
         with tf.GradientTape() as tape:
@@ -341,7 +343,20 @@ def _tfdp_strategy_of(model):
 
 
 def _keras_step(model, name) -> bool:
+    """Whether ``model`` runs Keras's own ``name`` (``train_step``/``test_step``): not when its
+    class or the instance overrides it, except by a wrapper marked ``_tfdp_transparent`` (it
+    only observes, as StragglerMonitor's does, and tfdp's own steps do the same)."""
+    own = vars(model).get(name)
+    if own is not None and not getattr(own, "_tfdp_transparent", False):
+        return False
     return getattr(type(model), name) is getattr(keras.Model, name)
+
+
+def _observe_batch(data):
+    # What StragglerMonitor's (transparent) train_step wrapper does; a no-op unless it listens.
+    from tfdp.resilience import stragglers
+
+    stragglers.mark_batch_in_hand(data)
 
 
 _warned = set()
