@@ -416,11 +416,13 @@ def _per_input_kind(build):
 def _build_step(model, kind, original, strategy):
     """The step function Keras (plan "keras") or tfdp's XLA split builds; returns it."""
     attribute = f"{kind}_function"
-    plan = step_plan(bool(model.jit_compile), strategy.num_replicas_in_sync,
-                     _keras_step(model, f"{kind}_step"))
+    keras_step = _keras_step(model, f"{kind}_step")
+    plan = step_plan(bool(model.jit_compile), strategy.num_replicas_in_sync, keras_step)
     ride_logs = rides_metrics(kind, _tf_private.extended_num_workers(strategy.extended),
-                              _keras_step(model, f"{kind}_step"))
-    if plan == "keras" and not (ride_logs and not model.jit_compile):
+                              keras_step)
+    # Plan "keras" with several workers never compiles (several replicas), so riding logs
+    # there means tfdp's riding step without XLA.
+    if plan == "keras" and not ride_logs:
         original(model, True)
         return getattr(model, attribute)
     if plan == "no_xla":
