@@ -26,10 +26,14 @@ What each piece does under tfdp.DataParallelStrategy:
   temporary directory (``tfdp.callbacks.write_path``) that they delete. A relaunch
   resumes from the last epoch saved; with ``train.set_epoch`` the resumed epochs see the
   same data order as an uninterrupted run.
+* ``strategy.step_deadline()`` around each step: with several workers, a step that runs
+  longer than the strategy's ``timeout_seconds`` (a peer alive but stuck elsewhere) fails
+  with ``DeadlineExceededError`` instead of waiting forever.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -108,6 +112,8 @@ def train(strategy, model, optimizer, loss_fn, train_data, steps_per_epoch, epoc
         report: called with one progress line per epoch.
     """
     train_step = make_train_step(strategy, model, optimizer, loss_fn, global_batch)
+    # tfdp's strategy bounds each step by its timeout_seconds; the default strategy has none.
+    step_deadline = getattr(strategy, "step_deadline", contextlib.nullcontext)
     with strategy.scope():
         optimizer.build(model.trainable_variables)  # slots exist before a restore
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
@@ -133,7 +139,8 @@ def train(strategy, model, optimizer, loss_fn, train_data, steps_per_epoch, epoc
         started = time.perf_counter()
         loss_sum = correct_sum = 0.0
         for _ in range(steps_per_epoch):
-            loss, correct = train_step(iterator)
+            with step_deadline():  # a peer that never joins the step: an error, not a hang
+                loss, correct = train_step(iterator)
             loss_sum += float(loss)
             correct_sum += float(correct)
         seconds = time.perf_counter() - started

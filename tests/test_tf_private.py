@@ -256,6 +256,16 @@ def test_coordination_service_key_value_calls_exist():
         assert callable(getattr(context, name, None)), name
 
 
+def test_abort_collective_ops_exists_with_code_and_message():
+    # Exercised for real by tests/test_deadline.py (a custom step past its deadline, in a
+    # process of its own: an abort is for good) and test_multiworker.py's blocked worker.
+    import inspect
+
+    abort = getattr(_tf_private._eager_context.Context, "abort_collective_ops", None)
+    assert callable(abort)
+    assert list(inspect.signature(abort).parameters) == ["self", "code", "message"]
+
+
 def test_set_keras_initial_epoch_makes_fit_start_there():
     # Pins Trainer._initial_epoch: a callback sets it in on_train_begin (BackupAndRestore's
     # resume) and fit runs only the epochs after it.

@@ -541,6 +541,18 @@ def wait_at_coordination_barrier(barrier_id: str, timeout_seconds: float) -> Non
     _eager_context.context().wait_at_barrier(barrier_id, max(1, int(timeout_seconds * 1000)))
 
 
+# Why: tfdp's step deadline (tfdp/deadline.py) ends a step whose collectives wait past
+# timeout_seconds. TensorFlow's per-collective timeout would do it, but starts threads that
+# sleep for the whole timeout for every collective (measured: a fast job dies of thread
+# exhaustion). Aborting the collective executor is what TensorFlow's own peer health check
+# (MultiWorkerMirroredStrategy's _check_health) does; only the eager context exposes it.
+def abort_collective_ops(message: str) -> None:
+    """Fails every collective in flight, and every later one, with DeadlineExceededError."""
+    from tensorflow.python.framework import errors
+
+    _eager_context.context().abort_collective_ops(errors.DEADLINE_EXCEEDED, message)
+
+
 # Why: a job resumed mid-epoch runs a short first epoch (its first steps were trained before
 # the backup). Keras's epoch iterator (a local of Model.fit) takes the epoch length from the
 # dataset's cardinality once per fit; left alone it would step past the end of the short

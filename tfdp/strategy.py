@@ -43,7 +43,7 @@ import threading
 
 import tensorflow as tf
 
-from tfdp import _tf_private, chief_writes, collectives, consensus, orderly_exit, xla
+from tfdp import _tf_private, chief_writes, collectives, consensus, deadline, orderly_exit, xla
 from tfdp import devices as devices_lib
 from tfdp.orderly_exit import (CHIEF_EXIT_DRAIN_SECONDS, ORDERLY_EXIT_ENV,  # noqa: F401
                                _wait_until_gone, leave_together_at_exit)  # (tests, earlier releases)
@@ -348,8 +348,11 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         bucket_bytes: pack gradients into buckets of about this many bytes before
             reducing; 0 = one collective per tensor; None = 32 MiB.
         compression: ``None``, ``"fp16"`` or ``"bf16"``: dtype of gradients on the wire.
-        timeout_seconds: collective timeout, so that a dead peer gives an error instead of
-            a hang. None = 300 s with several workers, no timeout in one process.
+        timeout_seconds: the longest a step may wait for its peers, so that a peer that
+            never joins gives an error instead of a hang (tfdp.deadline: Keras's steps,
+            tfdp's agreements, ``step_deadline()`` in custom loops; a dead or frozen peer
+            is found within ~10 s by TensorFlow's heartbeats). None = 300 s with several
+            workers, no deadline in one process.
         cluster: a ``tfdp.ClusterConfig``; default ``ClusterConfig.from_env()`` (TF_CONFIG,
             Vertex AI's CLUSTER_SPEC, SageMaker's SM_HOSTS, a Slurm step; see tfdp.cluster).
         cluster_resolver: any ``tf.distribute.cluster_resolver.ClusterResolver`` instead of
@@ -396,8 +399,10 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         implementation = (tf.distribute.experimental.CommunicationImplementation.NCCL
                           if self._tfdp_communication == "nccl"
                           else tf.distribute.experimental.CommunicationImplementation.RING)
+        # No per-collective timeout: TensorFlow's starts threads that sleep for the whole
+        # timeout per collective (a fast job dies of them); tfdp.deadline enforces it per step.
         options = tf.distribute.experimental.CommunicationOptions(
-            bytes_per_pack=0, timeout_seconds=timeout_seconds, implementation=implementation)
+            bytes_per_pack=0, timeout_seconds=None, implementation=implementation)
         if cluster.is_multi_worker:
             resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
                 tf.train.ClusterSpec({k: list(v) for k, v in cluster.cluster_spec.items()}),
@@ -457,6 +462,18 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     @property
     def local_devices(self) -> list:
         return list(self._tfdp_devices)
+
+    def step_deadline(self, what: str = "a custom training step"):
+        """``with strategy.step_deadline():`` around one step of a custom loop: if it runs
+        longer than ``timeout_seconds``, its collectives are aborted and it fails with
+        ``DeadlineExceededError`` instead of waiting forever for a peer that never joins
+        (a dead or frozen peer is found by TensorFlow's heartbeats without it). Keras's
+        ``fit``/``evaluate`` steps are watched without it. See tfdp/deadline.py.
+
+        Args:
+            what: names the step in the error.
+        """
+        return deadline.watching(self, what)
 
     def _tfdp_check_gpus_across_workers(self, requested, local_gpus):
         """Before the first collective: do replicas of different workers share a GPU?"""

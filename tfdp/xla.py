@@ -37,7 +37,7 @@ import weakref
 import keras
 import tensorflow as tf
 
-from tfdp import _tf_private, collectives
+from tfdp import _tf_private, collectives, deadline
 
 __all__ = ["compile_gradients", "CompiledGradients", "compiled_train_step",
            "resolve_auto_jit_compile", "step_plan", "rides_metrics", "install_keras_hooks",
@@ -390,25 +390,29 @@ def _make_step_function(model, kind, original, force):
         finally:
             setattr(model, attribute, current)
 
-    dispatch = _per_input_kind(build)
+    dispatch = _per_input_kind(build, strategy, kind)
     setattr(model, attribute, dispatch)
     return dispatch
 
 
-def _per_input_kind(build):
+def _per_input_kind(build, strategy, kind):
     """A step function that traces one ``build()`` per kind of distributed iterator: with or
     without the workers' per-step end-of-data agreement (tfdp.data turns it off where every
     worker has the same steps). TensorFlow's iterator type ignores that difference, so one
     traced function would run an input that needs the agreement without it: a worker that
-    runs out first would leave the others waiting in the step's all-reduce."""
+    runs out first would leave the others waiting in the step's all-reduce. Each call runs
+    under the strategy's step deadline (tfdp.deadline), the first one per function longer."""
     functions = {}
+    what = "a training step" if kind == "train" else "an evaluation step"
 
     def step_function(iterator):
         key = _tf_private.end_of_data_agreement(iterator)
         function = functions.get(key)
-        if function is None:
+        first = function is None  # traces now: the longer, first-step deadline
+        if first:
             function = functions[key] = build()
-        return function(iterator)
+        with deadline.watching(strategy, what, first=first):
+            return function(iterator)
 
     return step_function
 

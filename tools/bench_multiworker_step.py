@@ -82,9 +82,19 @@ flags.DEFINE_boolean("pin", False, "Pin worker i to core i (mod the cores): each
                      "--results/--out.")
 flags.DEFINE_integer("bucket_bytes", -1, "tfdp's gradient bucket size (-1: the default; 0: one "
                      "collective per tensor, no concatenation).")
+flags.DEFINE_string("variant", "", "Internal: the variant of --child (an impl named "
+                    "'tfdp+VARIANT' or 'mwms+VARIANT'; see VARIANTS).")
 flags.DEFINE_boolean("backup", True, "tfdp and before train with BackupAndRestore(check_every=1) "
                      "(preemption-safe, as a real job; MWMS has no per-step stop agreement).")
 
+# Variants, for looking into a gap (impls named e.g. "tfdp+keras_input"; each is paired with the
+# others of its round like any impl, and reported with --impls naming it):
+VARIANTS = {
+    "keras_input": "tfdp fed source.batch(global_batch) through Keras's own distribution",
+    "tfdp_input": "MWMS fed through tfdp.data.distribute",
+    "no_ride": "tfdp with the logs reduced by a collective of their own (no LogsRider)",
+    "no_timeout": "tfdp with no per-collective deadline in TensorFlow's collectives",
+}
 PER_REPLICA_BATCH = {"tiny": 32, "mlp": 64}
 FEATURES = {"tiny": 32, "mlp": 256}
 
@@ -132,7 +142,11 @@ def child():
     import tensorflow as tf
     import tfdp
 
-    kind, name = FLAGS.child, FLAGS.model
+    kind, name, variant = FLAGS.child, FLAGS.model, FLAGS.variant
+    if variant and variant not in VARIANTS:
+        raise app.UsageError(f"unknown variant {variant!r}; one of {sorted(VARIANTS)}")
+    if variant == "no_ride":
+        tfdp.xla.rides_metrics = lambda *args, **kwargs: False
     count = _load_counter() if FLAGS.count_only else None
     if kind == "mwms":
         tfdp.configure_cpu_replicas(FLAGS.replicas)
@@ -140,6 +154,8 @@ def child():
     else:
         strategy = tfdp.DataParallelStrategy(  # TFDP_CPU_REPLICAS from tfdp-run
             bucket_bytes=None if FLAGS.bucket_bytes < 0 else FLAGS.bucket_bytes)
+    if variant == "no_timeout":
+        tfdp._tf_private.communication_options(strategy.extended).timeout_seconds = None
     global_batch = PER_REPLICA_BATCH[name] * strategy.num_replicas_in_sync
     steps = FLAGS.warmup + (10 if FLAGS.count_only else FLAGS.steps)
     rng = np.random.default_rng(0)
@@ -151,7 +167,8 @@ def child():
         model = build(name, keras)
         model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    train = (source.batch(global_batch) if kind == "mwms"
+    keras_input = (kind == "mwms") != (variant in ("keras_input", "tfdp_input"))
+    train = (source.batch(global_batch) if keras_input
              else tfdp.data.distribute(strategy, source, global_batch))
 
     class Stamps(keras.callbacks.Callback):
@@ -169,7 +186,8 @@ def child():
     callbacks = [stamps]
     if kind != "mwms" and FLAGS.backup_dir:  # saves at the epoch's end, after the measurement
         callbacks.insert(0, tfdp.callbacks.BackupAndRestore(FLAGS.backup_dir, save_freq="epoch",
-                                                            dataset=train, check_every=1))
+                                                            dataset=None if keras_input else train,
+                                                            check_every=1))
     model.fit(train, epochs=1, verbose=0, callbacks=callbacks)
     result = {"impl": kind, "model": name, "replicas": FLAGS.replicas,
               "params": model.count_params(), "pinned": FLAGS.pin}
@@ -194,13 +212,15 @@ def ensure_before_tree():
 
 
 def launch(impl, model, replicas, count_only=False):
-    tree = FLAGS.before_dir if impl == "before" else ROOT
+    tree = FLAGS.before_dir if impl.startswith("before") else ROOT
     env = dict(os.environ, PYTHONPATH=tree + os.pathsep + HERE)
     env.pop("TF_CONFIG", None)
-    backup = tempfile.mkdtemp(prefix="bench-backup-") if FLAGS.backup and impl != "mwms" else ""
+    base, _, variant = impl.partition("+")
+    backup = tempfile.mkdtemp(prefix="bench-backup-") if FLAGS.backup and base != "mwms" else ""
     cmd = [sys.executable, "-m", "tfdp.run", "--workers", "2", "--cpu-replicas", str(replicas),
            "--timeout", "600", "--", sys.executable, os.path.abspath(__file__),
-           f"--child={'tfdp' if impl == 'before' else impl}", f"--model={model}",
+           f"--child={'tfdp' if base == 'before' else base}", f"--variant={variant}",
+           f"--model={model}",
            f"--replicas={replicas}", f"--warmup={FLAGS.warmup}", f"--steps={FLAGS.steps}",
            f"--count_only={count_only}", f"--backup_dir={backup}", f"--pin={FLAGS.pin}", f"--bucket_bytes={FLAGS.bucket_bytes}"]
     try:

@@ -5,11 +5,13 @@ this worker's final weights (and every replica's copy) to OUT/weights-<rank>.npz
 
 Env knobs: TFDP_TEST_OUT, TFDP_TEST_EPOCHS, TFDP_TEST_GLOBAL_BATCH, TFDP_TEST_OPT,
 TFDP_TEST_BACKUP (dir: use tfdp BackupAndRestore), TFDP_TEST_SHUFFLE (shuffle + DatasetEpoch), TFDP_TEST_FAIL="rank:epoch:batch:how"
-(how = exit | kill | stop | hang-before-strategy), TFDP_TEST_TIMEOUT (strategy timeout).
+(how = exit | kill | stop | block | hang-before-strategy; block: alive, heartbeating,
+but stuck in a callback), TFDP_TEST_TIMEOUT (strategy timeout).
 """
 
 import os
 import signal
+import threading
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -70,6 +72,8 @@ class Fail(keras.callbacks.Callback):
                 os.kill(os.getpid(), signal.SIGKILL)
             if fail_how == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            if fail_how == "block":
+                threading.Event().wait()  # until tfdp-run stops the job
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch

@@ -5,7 +5,8 @@ Rule. Each worker contributes its vector once (from its first local replica) to 
 chief's backup choice, the stop flag where no gradient reduction carries it
 (``tfdp.resilience.preemption``) and the straggler monitor's window timings. One worker needs no
 collective. The time a worker spends in ``sum`` is time waiting for the others: it is reported
-to the straggler timing (``tfdp.resilience.stragglers.note_wait``).
+to the straggler timing (``tfdp.resilience.stragglers.note_wait``). Each sum runs under the
+strategy's step deadline (``tfdp.deadline``), so a worker that never comes fails it, not hangs it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
+from tfdp import deadline
 from tfdp.resilience import stragglers
 
 __all__ = ["Agreement"]
@@ -30,6 +32,7 @@ class Agreement:
         self.strategy = strategy
         self.num_workers = num_workers
         self._fn = None
+        self._calls = 0
 
     def sum(self, values: Sequence[float]) -> list[float]:
         """The element-wise sum of every worker's ``values`` (the same on every worker)."""
@@ -40,7 +43,10 @@ class Agreement:
         if self._fn is None:
             self._fn = _summing_function(self.strategy)
         start = time.time()
-        result = self._fn(tf.constant(list(values), tf.float64))
+        first = self._calls == 0
+        self._calls += 1
+        with deadline.watching(self.strategy, "an agreement between the workers", first=first):
+            result = self._fn(tf.constant(list(values), tf.float64))
         local = self.strategy.experimental_local_results(result)[0]
         summed = [float(v) for v in local.numpy()]
         stragglers.note_wait(start, time.time())

@@ -1,0 +1,111 @@
+"""tfdp.deadline: the step deadline that replaced TensorFlow's per-collective timeout.
+
+The multi-worker proof (a live worker that never joins the step fails it at the deadline)
+is in test_multiworker.py; a frozen worker is found by TensorFlow's heartbeats (ibid.).
+"""
+
+import os
+import queue
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+import tfdp
+from tfdp import _tf_private, deadline
+from helpers import cpu_devices
+from launching import worker_env, worker_script
+
+
+def test_the_deadline_is_the_timeout_and_longer_for_the_first_step():
+    assert deadline.deadline_seconds(None, first=False) is None
+    assert deadline.deadline_seconds(None, first=True) is None
+    assert deadline.deadline_seconds(300, first=False) == 300.0
+    assert deadline.deadline_seconds(300, first=True) == 300.0 * deadline.FIRST_STEP_FACTOR
+    assert deadline.FIRST_STEP_FACTOR > 1
+
+
+def test_the_message_names_the_step_the_worker_the_limit_and_the_fix():
+    message = deadline.overdue_message("a training step", 4.0, 1, 3)
+    assert "a training step on worker 1 of 3 did not finish within 4 s" in message
+    assert "timeout_seconds" in message and "stuck outside the step" in message
+
+
+def _watchdog():
+    fired = queue.Queue()
+    return deadline.Watchdog(fired.put), fired
+
+
+def test_an_armed_deadline_fires_once_with_its_message():
+    dog, fired = _watchdog()
+    dog.arm(0.05, lambda: "late step")  # formatted only when due
+    assert fired.get(timeout=10) == "late step"
+    dog.arm(0.05, "next")  # the thread keeps serving
+    assert fired.get(timeout=10) == "next"
+    assert fired.empty()
+
+
+def test_a_disarmed_deadline_never_fires():
+    dog, fired = _watchdog()
+    early = dog.arm(0.02, "disarmed in time")
+    dog.disarm(early)
+    dog.arm(0.2, "armed later")  # due after the first one would have been
+    assert fired.get(timeout=10) == "armed later"
+    assert fired.empty()
+
+
+def test_an_inner_deadline_hides_the_outer_until_it_is_disarmed():
+    dog, fired = _watchdog()
+    dog.arm(0.3, "outer")
+    inner = dog.arm(60.0, "inner")
+    with pytest.raises(queue.Empty):
+        fired.get(timeout=0.6)  # the outer is overdue, but the inner step is running
+    dog.disarm(inner)
+    assert fired.get(timeout=10) == "outer"
+
+
+def test_watching_arms_nothing_without_a_timeout(monkeypatch):
+    armed = []
+    monkeypatch.setattr(deadline._watchdog, "arm", lambda *a: armed.append(a) or 0)
+    with deadline.watching(object(), "a step"):
+        pass
+    assert armed == []
+
+
+def _thread_growth(strategy, steps=100):
+    @tf.function
+    def step(x):
+        return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce("sum", x))
+
+    x = tf.ones([16])
+    step(x)
+    before = len(os.listdir("/proc/self/task"))
+    for _ in range(steps):
+        step(x)
+    return len(os.listdir("/proc/self/task")) - before
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_a_timeout_costs_no_thread_per_collective():
+    strategy = tfdp.DataParallelStrategy(devices=cpu_devices(2), timeout_seconds=300)
+    assert strategy.timeout_seconds == 300
+    assert not _tf_private.communication_options(strategy.extended).timeout_seconds
+    assert _thread_growth(strategy) < 20  # 200 collectives
+    # Guard: TensorFlow's own per-collective timeout (what tfdp passed before) leaves
+    # threads sleeping for the whole timeout after every collective (2 s here, to let go).
+    guard = tfdp.DataParallelStrategy(devices=cpu_devices(2), timeout_seconds=300)
+    _tf_private.communication_options(guard.extended).timeout_seconds = 2
+    assert _thread_growth(guard) >= 200
+
+
+def test_an_overdue_custom_step_fails_with_deadline_exceeded_and_the_message():
+    # In a process of its own: aborting the collectives is for good (as after any collective
+    # error, the process must restart), and this process serves other tests.
+    proc = subprocess.run([sys.executable, worker_script("deadline_worker.py")],
+                          env=worker_env(), capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "DeadlineExceededError" in out, out
+    assert "a custom step on worker 0 of 1 did not finish within 0.5 s" in out, out
+    assert "the step that came in time: ok" in out, out

@@ -1,0 +1,135 @@
+"""Step deadlines: a step that waits too long for its peers ends with an error, not a hang.
+
+Rule. TensorFlow's collectives run without a deadline of their own. A peer that dies or
+freezes is found by TensorFlow's coordination service, which every worker heartbeats to: about
+10 s after its last heartbeat every collective in flight fails with ``UnavailableError`` naming
+the task. A peer that is alive but never reaches the collective (a deadlock, a callback or an
+input pipeline that blocks, a different number of steps) still heartbeats; for it, tfdp keeps
+one deadline per process: while a step runs (Keras's train and test functions, tfdp's own
+agreements, a custom step under ``DataParallelStrategy.step_deadline()``), a watchdog thread
+aborts TensorFlow's collectives once the step has run ``timeout_seconds``, and the step fails
+with ``DeadlineExceededError`` saying what waited and what to do. The first run of each step
+function (tracing, XLA compilation, peers still starting) gets ``FIRST_STEP_FACTOR`` times as
+long. Under a strategy without ``timeout_seconds`` (one process, by default) nothing is armed.
+
+Why not TensorFlow's own per-collective timeout (``CommunicationOptions.timeout_seconds``, which
+tfdp passed before): TensorFlow 2.21 implements it by starting, for every collective, threads
+that sleep for the whole timeout whether or not the collective finished. Measured on this host:
+two threads per collective, each alive for the timeout; a 2-worker job at 400 steps/s held
+16,000 threads after 19 s and died with ``std::system_error: Resource temporarily unavailable``
+(SIGABRT). A job at 10 steps/s with two local replicas held about 12,000 sleeping threads
+at all times. One watchdog thread per process costs a lock and a notify per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import time
+
+__all__ = ["FIRST_STEP_FACTOR", "deadline_seconds", "overdue_message", "Watchdog", "watching"]
+
+FIRST_STEP_FACTOR = 6
+
+
+def deadline_seconds(timeout_seconds, first: bool):
+    """How long a step may run before its collectives are aborted (None: no deadline)."""
+    if not timeout_seconds:
+        return None
+    return float(timeout_seconds) * (FIRST_STEP_FACTOR if first else 1)
+
+
+def overdue_message(what: str, seconds: float, rank: int, num_workers: int) -> str:
+    """The error of a step that ran past its deadline."""
+    head = (f"tfdp: {what} on worker {rank} of {num_workers} did not finish within {seconds:g} s "
+            "(DataParallelStrategy's timeout_seconds), so tfdp aborted its collectives. ")
+    if num_workers == 1:
+        return head + ("One of this process's replicas never reached a collective the others "
+                       "wait in (a collective under a condition some replicas skip). If a step "
+                       "legitimately takes this long, raise timeout_seconds.")
+    return head + ("Every peer is still alive (a dead or frozen one fails the step within about "
+                   "10 s instead), so one is not taking part: it is stuck outside the step (a "
+                   "callback, its input pipeline, a deadlock) or runs a different number of "
+                   "steps. The worker logs show which one is behind. If a step legitimately "
+                   "takes this long, raise timeout_seconds.")
+
+
+class Watchdog:
+    """One thread that calls ``abort(message)`` when the innermost armed deadline passes.
+
+    ``arm`` pushes a deadline (nested ones, e.g. an agreement inside a step, are a stack)
+    and returns a token for ``disarm``; the thread sleeps until the innermost deadline and
+    starts only at the first ``arm``.
+
+    Args:
+        abort: called once per overdue step, from the watchdog's thread, with the message
+            (``arm``'s ``message``, called first if it is callable: formatted only when due).
+    """
+
+    def __init__(self, abort):
+        self._abort = abort
+        self._cond = threading.Condition()
+        self._armed = []  # [(due, message, token)], innermost last
+        self._tokens = 0
+        self._thread = None
+
+    def arm(self, seconds: float, message) -> int:
+        with self._cond:
+            self._tokens += 1
+            self._armed.append((time.monotonic() + seconds, message, self._tokens))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="tfdp-step-deadline",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+            return self._tokens
+
+    def disarm(self, token: int) -> None:
+        with self._cond:
+            self._armed = [entry for entry in self._armed if entry[2] != token]
+            self._cond.notify()  # an outer deadline may be due sooner than the one it waits for
+
+    def _watch(self):
+        while True:
+            with self._cond:
+                while not self._armed:
+                    self._cond.wait()
+                due, message, token = self._armed[-1]
+                left = due - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                self._armed.pop()
+            self._abort(message() if callable(message) else message)
+
+
+def _abort_collectives(message):
+    from tfdp import _tf_private
+
+    _tf_private.abort_collective_ops(message)
+
+
+_watchdog = Watchdog(_abort_collectives)
+
+
+@contextlib.contextmanager
+def watching(strategy, what: str, first: bool = False):
+    """Arms the deadline of ``strategy`` (its ``timeout_seconds``) for the ``with`` body.
+
+    Args:
+        strategy: any strategy; only a tfdp one with ``timeout_seconds`` set arms anything.
+        what: names the step in the error (``"training step"``).
+        first: the first run of a step function (``FIRST_STEP_FACTOR`` times as long).
+    """
+    seconds = deadline_seconds(getattr(strategy, "timeout_seconds", None), first)
+    if seconds is None:
+        yield
+        return
+    cluster = strategy.cluster
+    token = _watchdog.arm(seconds, functools.partial(overdue_message, what, seconds, cluster.rank,
+                                                     cluster.num_workers))
+    try:
+        yield
+    finally:
+        _watchdog.disarm(token)
