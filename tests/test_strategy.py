@@ -273,6 +273,29 @@ def test_logs_ride_in_the_gradient_all_reduce_and_pass_the_strategy_reduce(compr
         assert all(bool(r) is expected for r in rode), (conditional, compression)
 
 
+def test_riders_cost_no_copy_of_the_bucket_beyond_its_own_packing():
+    """The riders join the bucket's one concatenation and leave by its one split (before, a
+    second concatenation and a slice copied the whole bucket again: 2 ConcatV2 per replica)."""
+    from tfdp import collectives
+
+    strategy = tfdp.DataParallelStrategy(devices=cpu_devices(4))
+
+    def replica_fn():
+        r = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
+        rider = collectives.LogsRider.of({"loss": r}, 4)
+        with collectives.riding_with_gradients(rider):
+            grads = collectives.all_reduce_gradients([tf.fill([3], r), tf.fill([2, 2], r)])
+        return grads, rider.mean_logs()["loss"]
+
+    step = tf.function(lambda: strategy.run(replica_fn))
+    graph = step.get_concrete_function().graph
+    assert sum(op.type == "ConcatV2" for op in graph.get_operations()) == 4  # one per replica
+    grads, loss = step()
+    for g in strategy.experimental_local_results(grads[1]):
+        np.testing.assert_array_equal(g.numpy(), np.full([2, 2], 6.0))  # the gradient intact
+    assert float(strategy.experimental_local_results(loss)[0]) == 1.5  # the mean of 0..3
+
+
 # --- Keras features ----------------------------------------------------------------------
 
 def test_evaluate_and_predict_match_single_device():

@@ -142,20 +142,33 @@ def all_reduce_gradients(grads, strategy=None):
             [t.shape.num_elements() * t.dtype.size if t.shape.is_fully_defined() else 0
              for t in tensors],
             [t.dtype for t in tensors], bucket_bytes)
-        flat = []
-        for bucket in buckets:
+        # The riders (e.g. the preemption stop flag) join the last floating bucket's own
+        # concatenation and leave by its own split: no extra copy of the bucket.
+        carrier, riders = _board_riders(strategy, [tensors[b[0]].dtype for b in buckets],
+                                        compression)
+        flat, extra = [], []
+        for k, bucket in enumerate(buckets):
             parts = [tf.reshape(tensors[j], [-1]) for j in bucket]
+            if k == carrier:
+                extra = [r.contribution() for r in riders]
+                for value in extra:
+                    if value.shape.num_elements() is None:
+                        raise ValueError(f"tfdp: a gradient rider's contribution needs a static "
+                                         f"shape (got {value.shape}).")
+                parts += [tf.reshape(tf.cast(v, parts[0].dtype), [-1]) for v in extra]
             packed = parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
             flat.append(to_wire(packed, compression))
-        carrier = _attach_riders(strategy, flat)  # e.g. the preemption stop flag
         reduced = ctx.all_reduce(
             tf.distribute.ReduceOp.SUM, flat,
             options=_options(strategy, bytes_per_pack=_ONE_COLLECTIVE_PER_TENSOR))
-        reduced = _detach_riders(reduced, carrier)
-        for bucket, value in zip(buckets, reduced):
+        for k, (bucket, value) in enumerate(zip(buckets, reduced)):
             # Gradient shapes are static at trace time; fall back to runtime shapes otherwise.
             sizes = [_size(tensors[j]) for j in bucket]
-            pieces = [value] if len(bucket) == 1 else tf.split(value, sizes, axis=0)
+            riding = extra if k == carrier else []
+            sizes += [v.shape.num_elements() for v in riding]
+            pieces = [value] if len(sizes) == 1 else tf.split(value, sizes, axis=0)
+            for rider, v, piece in zip(riders if riding else [], riding, pieces[len(bucket):]):
+                rider.receive(tf.reshape(piece, v.shape))
             for j, piece in zip(bucket, pieces):
                 src = tensors[j]
                 shape = src.shape if src.shape.is_fully_defined() else tf.shape(src)
@@ -214,44 +227,19 @@ class riding_with_gradients:  # noqa: N801 (a context manager, used as a stateme
         return False
 
 
-def _attach_riders(strategy, flat):
-    """Appends the riders' contributions to the last floating bucket of ``flat`` (in place);
-    returns (bucket index, riders, sizes) or None."""
-    floating = [i for i, t in enumerate(flat) if t.dtype.is_floating]
+def _board_riders(strategy, bucket_dtypes, compression):
+    """Which bucket carries the riders (the last floating one) and the riders it carries:
+    ``(bucket index, riders)``, or ``(None, [])``. A ``precise`` rider rides only in a bucket
+    of 32 bits or more on the wire."""
+    floating = [k for k, dtype in enumerate(bucket_dtypes) if dtype.is_floating]
     if not floating:
-        return None
-    i = floating[-1]
+        return None, []
+    k = floating[-1]
+    wire = COMPRESSION_DTYPES[compression] or bucket_dtypes[k]
     riders = list(_riders.get(id(strategy), ()))
     riders += [r for r in getattr(_replica_riders, "stack", ()) if r is not None]
-    riders = [r for r in riders if flat[i].dtype.size >= 4 or not getattr(r, "precise", False)]
-    if not riders:
-        return None
-    extra, shapes = [], []
-    for r in riders:
-        value = r.contribution()
-        if value.shape.num_elements() is None:
-            raise ValueError(f"tfdp: a gradient rider's contribution needs a static shape "
-                             f"(got {value.shape} from {type(r).__name__}).")
-        extra.append(tf.reshape(tf.cast(value, flat[i].dtype), [value.shape.num_elements()]))
-        shapes.append(value.shape)
-    flat[i] = tf.concat([flat[i]] + extra, axis=0)
-    return i, riders, shapes
-
-
-def _detach_riders(reduced, carrier):
-    """``reduced`` without the riders' elements, which go to their ``receive``."""
-    reduced = list(reduced)
-    if carrier is None:
-        return reduced
-    i, riders, shapes = carrier
-    sizes = [shape.num_elements() for shape in shapes]
-    value, n = reduced[i], sum(sizes)
-    reduced[i] = value[:-n]
-    offset = int(value.shape[0]) - n if value.shape[0] is not None else tf.size(value) - n
-    for rider, size, shape in zip(riders, sizes, shapes):
-        rider.receive(tf.reshape(value[offset:offset + size], shape))
-        offset += size
-    return reduced
+    riders = [r for r in riders if wire.size >= 4 or not getattr(r, "precise", False)]
+    return (k, riders) if riders else (None, [])
 
 
 class LogsRider:
