@@ -68,6 +68,8 @@ flags.DEFINE_boolean("report", False, "Only summarise --results into --out.")
 flags.DEFINE_string("results", "docs/benchmarks/bench_multiworker_step.jsonl", "Raw results.")
 flags.DEFINE_string("out", "docs/benchmarks/bench_multiworker_step", "Output prefix.")
 flags.DEFINE_string("before_commit", "971cce4", "The tfdp commit to compare with.")
+flags.DEFINE_string("note", "", "A sentence for the report: where and how its rows were measured "
+                    "(the host, the commands), when it is not the default run.")
 flags.DEFINE_string("before_dir", "/tmp/tfdp-before", "Where its worktree is checked out.")
 # Child-process flags.
 flags.DEFINE_string("child", "", "Internal: implementation to run in this worker.")
@@ -337,8 +339,9 @@ def summarise():
                       "", "Throughput ratios of interleaved paired rounds (>1: tfdp faster; the "
                       "interval is a bootstrap of the rounds' median). The CPU column divides "
                       "the chief worker's process CPU time per step (>1: tfdp does less work). "
-                      f"Before = tfdp at {FLAGS.before_commit}. Command: "
-                      "`python tools/bench_multiworker_step.py --rounds=15` (then `--report`).",
+                      f"Before = tfdp at {FLAGS.before_commit}. "
+                      + (FLAGS.note or "Command: `python tools/bench_multiworker_step.py "
+                         "--rounds=15` (then `--report`)."),
                       "", *table, "", *lines])
     print(text)
     report.write_text(FLAGS.out + ".md", text)
