@@ -16,6 +16,7 @@ import pytest
 
 from launching import (fake_worker_starts, finish_job, run_job, start_job, tfdp_run_command,
                        wait_until, worker_env, worker_script)
+from procs import process_alive
 from tfdp import run
 from tfdp.cluster import ClusterConfig
 
@@ -356,6 +357,27 @@ def test_second_signal_kills_at_once(tmp_path):
     code, out = job.finish()
     assert code == 143, out
     assert "received SIGTERM again; killing all workers" in out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_workers_die_with_a_sigkilled_launcher(tmp_path):
+    # The workers run in sessions of their own, out of reach of a kill aimed at the launcher's
+    # group: only the kernel's parent-death signal ends them (without it they block on until
+    # the fake worker's own 60 s alarm, far past this test's bound).
+    job = Running(tmp_path, {"*@*": "block"})
+    job.wait_for_files("stepped-s0-a0", "stepped-s1-a0")
+    pids = [fake_worker_starts(tmp_path)[(slot, 0)]["pid"] for slot in (0, 1)]
+    assert all(process_alive(pid) for pid in pids)
+    os.kill(job.proc.pid, signal.SIGKILL)  # the launcher alone
+    try:
+        wait_until(lambda: not any(process_alive(pid) for pid in pids),
+                   "the workers to die with their launcher", 10)
+    finally:
+        job.finish()
+        for pid in pids:
+            if process_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert not list(tmp_path.glob("SIGTERM-*"))  # killed, not asked
 
 
 def test_sigterm_while_stopping_after_a_failure_prevents_the_restart(tmp_path):

@@ -8,7 +8,11 @@ stop and whether to restart is decided elsewhere (:mod:`tfdp.run`, :mod:`tfdp.su
 * **Local** (:class:`LocalWorker`): the command itself, in its own session, so a terminal's
   Ctrl-C reaches tfdp-run only (which forwards it) and a signal to the worker's process group
   also reaches what the worker started. Signals go to the group, SIGCONT first (a stopped
-  worker cannot act on SIGTERM). The control files are written in place.
+  worker cannot act on SIGTERM). The control files are written in place. On Linux the worker
+  is SIGKILLed by the kernel when tfdp-run dies (``PR_SET_PDEATHSIG``), so a SIGKILLed or
+  crashed launcher leaves no worker training on: its own session would otherwise keep it out
+  of reach of a kill aimed at the launcher's group. (The kernel ties this to the thread that
+  started the worker; tfdp-run starts them from the thread that then waits for them.)
 * **Remote** (:class:`RemoteWorker`): ``ssh HOST`` runs :mod:`tfdp._remote` (sent over ssh's
   stdin; only a Python 3 is needed there: the one tfdp-run runs on, at the same path, else
   ``python3``, or ``--ssh-python``), which changes to tfdp-run's working directory, sets the
@@ -61,6 +65,7 @@ OUTPUT_DRAIN_SECONDS = 15.0
 # os.waitid (Linux; macOS from Python 3.13) lets a thread learn of an exit without reaping it,
 # which keeps the order in which workers exited. Without it the launcher polls.
 _HAVE_WAITID = hasattr(os, "waitid") and hasattr(os, "WNOWAIT")
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _BOOTSTRAP = ('import sys,json;exec(compile(json.loads(sys.stdin.buffer.readline()),'
               '"tfdp_remote","exec"),{"__name__":"__main__"})')
 
@@ -132,6 +137,27 @@ def _thread(target, *args) -> threading.Thread:
     return t
 
 
+def _die_with_launcher():
+    """A ``preexec_fn`` that has the kernel SIGKILL the child when this process dies (Linux's
+    ``PR_SET_PDEATHSIG``; subprocess has no flag for it); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not after the fork
+    except (OSError, AttributeError):
+        return None
+    launcher = os.getpid()
+
+    def in_child():
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != launcher:  # the launcher died before the line above: follow it
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return in_child
+
+
 class LocalWorker:
     """The command on this machine, in its own session; output to ``log``."""
 
@@ -140,7 +166,8 @@ class LocalWorker:
 
     def __init__(self, command: Sequence[str], env: Mapping[str, str], log: WorkerLog):
         self.popen = subprocess.Popen(list(command), env=dict(env), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
+                                      stderr=subprocess.STDOUT, start_new_session=True,
+                                      preexec_fn=_die_with_launcher())
         self._pumps = [_thread(_pump, self.popen.stdout, log.write)]
 
     def send_signal(self, sig: int):
