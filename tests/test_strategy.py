@@ -296,6 +296,28 @@ def test_riders_cost_no_copy_of_the_bucket_beyond_its_own_packing():
     assert float(strategy.experimental_local_results(loss)[0]) == 1.5  # the mean of 0..3
 
 
+def test_a_rider_without_a_static_shape_is_refused_by_name():
+    from tfdp import collectives
+
+    class Unshaped:
+        def contribution(self):
+            return tf.reshape(tf.where(tf.ones([3]) > 0), [-1])  # length known only at run time
+
+        def receive(self, total):
+            raise AssertionError("never reached")
+
+    strategy = tfdp.DataParallelStrategy(devices=cpu_devices(2))
+    step = tf.function(lambda: strategy.run(
+        lambda: collectives.all_reduce_gradients([tf.ones([3])])))
+    rider = Unshaped()
+    collectives.add_gradient_rider(strategy, rider)
+    try:
+        with pytest.raises(ValueError, match=r"needs a static shape .* from Unshaped"):
+            step()
+    finally:
+        collectives.remove_gradient_rider(strategy, rider)
+
+
 # --- Keras features ----------------------------------------------------------------------
 
 def test_evaluate_and_predict_match_single_device():

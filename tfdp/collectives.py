@@ -151,10 +151,11 @@ def all_reduce_gradients(grads, strategy=None):
             parts = [tf.reshape(tensors[j], [-1]) for j in bucket]
             if k == carrier:
                 extra = [r.contribution() for r in riders]
-                for value in extra:
+                for rider, value in zip(riders, extra):
                     if value.shape.num_elements() is None:
                         raise ValueError(f"tfdp: a gradient rider's contribution needs a static "
-                                         f"shape (got {value.shape}).")
+                                         f"shape (got {value.shape} from "
+                                         f"{type(rider).__name__}).")
                 parts += [tf.reshape(tf.cast(v, parts[0].dtype), [-1]) for v in extra]
             packed = parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
             flat.append(to_wire(packed, compression))
