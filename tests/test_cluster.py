@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tfdp import slurm
+from tfdp.cluster import slurm
 from tfdp.cluster import ClusterConfig, ClusterConfigError
 
 

@@ -13,7 +13,8 @@ import pytest
 import tensorflow as tf
 
 import tfdp
-from tfdp import _tf_private, deadline
+from tfdp import _tf_private
+from tfdp.strategy import deadline
 from helpers import cpu_devices
 from launching import worker_env, worker_script
 

@@ -23,10 +23,10 @@ import pytest
 
 from launching import fake_worker_starts, wait_until, worker_env, worker_script
 from procs import process_alive
-from tfdp import hosts as hosts_lib
-from tfdp import launch
+from tfdp.launcher import hosts as hosts_lib
+from tfdp.launcher import processes as launch
 from tfdp.cluster import ClusterConfig
-from tfdp.hosts import Host, HostsError
+from tfdp.launcher.hosts import Host, HostsError
 
 FAKE_WORKER = worker_script("fake_worker.py")
 TIMEOUT = 90
@@ -87,7 +87,7 @@ def test_remote_environment_and_ssh_command_line():
 
 
 def test_parse_args_hosts(tmp_path):
-    from tfdp import run
+    from tfdp.launcher import cli as run
     args = run.parse_args(["--hosts", "a:2,b:1", "--address", "a=10.0.0.1", "-x", "PATH",
                            "--env", "K=V", "--", "python", "t.py"])
     assert args.workers == 3 and [h.address for h in args.host_list] == ["10.0.0.1", None]
@@ -106,7 +106,7 @@ def test_parse_args_hosts(tmp_path):
     ([], "give --workers N (this machine), or --hosts/--hostfile"),
 ])
 def test_parse_args_rejects_bad_host_flags(flags, problem, capsys):
-    from tfdp import run
+    from tfdp.launcher import cli as run
     with pytest.raises(SystemExit):
         run.parse_args([*flags, "--", "x"])
     assert problem in capsys.readouterr().err

@@ -24,7 +24,8 @@ import tensorflow as tf
 import keras
 
 import tfdp
-from tfdp import chief_writes, consensus
+from tfdp.strategy import chief_writes
+from tfdp.strategy import consensus
 from helpers import classification_data, cpu_devices, mlp
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -17,7 +17,7 @@ import keras
 
 from helpers import classification_data, initial_weights, mlp, train
 from launching import run_job, start_job, tfdp_run_command, worker_env, worker_script
-from tfdp.run import NEVER_JOINED_GRACE_SECONDS
+from tfdp.launcher.cli import NEVER_JOINED_GRACE_SECONDS
 
 pytestmark = [pytest.mark.multiworker, pytest.mark.slow]
 LAUNCH_TIMEOUT = 240

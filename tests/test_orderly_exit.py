@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from tfdp import strategy as strategy_lib
+from tfdp.strategy import lifecycle
 from launching import run_job, tfdp_run_command, worker_env, worker_script
 from output_checks import error_lines
 
@@ -49,7 +49,7 @@ def test_error_line_check_catches_the_reported_heartbeat_errors():
     (False, None, {"TFDP_ORDERLY_EXIT": "1"}, True),
 ])
 def test_orderly_exit_policy(uncaught, code, env, expected):
-    assert strategy_lib.leave_together_at_exit(uncaught, code, env) is expected
+    assert lifecycle.leave_together_at_exit(uncaught, code, env) is expected
 
 
 def test_chief_waits_until_peer_processes_are_gone():
@@ -75,7 +75,7 @@ def test_chief_waits_until_peer_processes_are_gone():
         t.start()
     try:
         addresses = [refused] + [s.getsockname() for s in listeners]
-        left = strategy_lib._wait_until_gone(addresses, timeout_seconds=0.3)
+        left = lifecycle._wait_until_gone(addresses, timeout_seconds=0.3)
         assert left == [listeners[1].getsockname()]
     finally:
         for t in threads:

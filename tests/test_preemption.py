@@ -129,7 +129,7 @@ def test_a_plain_relaunch_with_the_same_tf_config_resumes(tmp_path, uninterrupte
     # Kubernetes (restartPolicy: ExitCode) or Slurm (--requeue) relaunch the same processes
     # with the same TF_CONFIG and no tfdp-run: the backup alone carries the resume.
     import json
-    from tfdp.run import free_ports
+    from tfdp.launcher.cli import free_ports
 
     backup = tmp_path / "backup"
     ports = free_ports(2)

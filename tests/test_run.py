@@ -17,7 +17,7 @@ import pytest
 from launching import (fake_worker_starts, finish_job, run_job, start_job, tfdp_run_command,
                        wait_until, worker_env, worker_script)
 from procs import process_alive
-from tfdp import run
+from tfdp.launcher import cli as run
 from tfdp.cluster import ClusterConfig
 
 FAKE_WORKER = worker_script("fake_worker.py")
@@ -430,7 +430,8 @@ def test_launcher_in_process(tmp_path, monkeypatch, waitid):
     # the launcher then polls).
     import io
 
-    from tfdp import launch, supervisor
+    from tfdp.launcher import processes as launch
+    from tfdp.launcher import policy as supervisor
 
     monkeypatch.setattr(launch, "_HAVE_WAITID", waitid and launch._HAVE_WAITID)
     out = io.StringIO()

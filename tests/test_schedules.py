@@ -5,7 +5,7 @@ import pytest
 import keras
 
 import tfdp
-from tfdp.schedules import WarmupCosineDecay, WarmupPolynomialDecay, steps_for_epochs
+from tfdp.optimizers.schedules import WarmupCosineDecay, WarmupPolynomialDecay, steps_for_epochs
 
 
 def test_scale_learning_rate():

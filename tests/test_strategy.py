@@ -8,8 +8,8 @@ import tensorflow as tf
 import keras
 
 import tfdp
-from tfdp import strategy as strategy_lib
-from tfdp.collectives import plan_buckets
+from tfdp.strategy import data_parallel as strategy_lib
+from tfdp.strategy.collectives import plan_buckets
 from helpers import (assert_weights_close, classification_data, cpu_devices,
                      initial_weights, mlp, replica_components, train)
 
@@ -43,12 +43,12 @@ def test_nccl_without_gpu_is_a_clear_error():
     (tf.uint8, "CPU", tf.int64), (tf.int16, "GPU", tf.int64), (tf.uint32, "GPU", tf.int64),
 ])
 def test_reduce_dtype_policy(dtype, device, expected):
-    from tfdp.collectives import reduce_dtype
+    from tfdp.strategy.collectives import reduce_dtype
     assert reduce_dtype(dtype, device) == expected
 
 
 def test_reduce_dtype_refuses_what_no_widening_holds():
-    from tfdp.collectives import reduce_dtype
+    from tfdp.strategy.collectives import reduce_dtype
     for dtype in (tf.uint64, tf.complex64, tf.string):
         with pytest.raises(TypeError, match="Cast them to float32 or int64"):
             reduce_dtype(dtype, "GPU")
@@ -107,12 +107,12 @@ def test_fit_with_int32_labels_under_gpu_dtype_rules_trains_like_one_device():
     ([1], "GPU-8f2a", [0], ["GPU-8f2a"]),             # or names by UUID
 ])
 def test_gpu_identities(counts, visible, indices, expected):
-    from tfdp import devices
+    from tfdp.strategy import devices
     assert devices.gpu_identities(indices, counts, visible) == expected
 
 
 def test_shared_gpu_detection():
-    from tfdp.devices import Placement, shared_gpu
+    from tfdp.strategy.devices import Placement, shared_gpu
     alone = [Placement(0, 0, "a", "0"), Placement(0, 1, "a", "1"), Placement(1, 0, "b", "0")]
     assert shared_gpu(alone) is None  # GPU 0 of two hosts is two GPUs
     logical = [Placement(0, 0, "a", "0"), Placement(0, 1, "a", "0")]
@@ -124,7 +124,7 @@ def test_shared_gpu_detection():
 
 
 def test_shared_gpu_picks_ring_for_auto_and_refuses_nccl():
-    from tfdp.devices import SharedGPU
+    from tfdp.strategy.devices import SharedGPU
     shared = SharedGPU("ws", "0", [(0, 0), (1, 0)])
     assert strategy_lib.resolve_communication("auto", "GPU", shared) == "ring"
     assert strategy_lib.resolve_communication("ring", "GPU", shared) == "ring"
@@ -237,7 +237,7 @@ def test_logs_ride_in_the_gradient_all_reduce_and_pass_the_strategy_reduce(compr
     the gradient all-reduce (no collective of their own), and strategy.reduce passes them
     through. Guards: a reduction under a condition (gradient accumulation, loss scaling) and
     a compressed bucket leave the logs to the usual reduction."""
-    from tfdp import collectives
+    from tfdp.strategy import collectives
 
     strategy = tfdp.DataParallelStrategy(devices=cpu_devices(4), compression=compression)
 
@@ -276,7 +276,7 @@ def test_logs_ride_in_the_gradient_all_reduce_and_pass_the_strategy_reduce(compr
 def test_riders_cost_no_copy_of_the_bucket_beyond_its_own_packing():
     """The riders join the bucket's one concatenation and leave by its one split (before, a
     second concatenation and a slice copied the whole bucket again: 2 ConcatV2 per replica)."""
-    from tfdp import collectives
+    from tfdp.strategy import collectives
 
     strategy = tfdp.DataParallelStrategy(devices=cpu_devices(4))
 
@@ -297,7 +297,7 @@ def test_riders_cost_no_copy_of_the_bucket_beyond_its_own_packing():
 
 
 def test_a_rider_without_a_static_shape_is_refused_by_name():
-    from tfdp import collectives
+    from tfdp.strategy import collectives
 
     class Unshaped:
         def contribution(self):

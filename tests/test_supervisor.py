@@ -5,8 +5,8 @@ import signal
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tfdp import supervisor as sv
-from tfdp.supervisor import (Completed, Decision, EvictionRequested, Eviction, HostUnreachable,
+from tfdp.launcher import policy as sv
+from tfdp.launcher.policy import (Completed, Decision, EvictionRequested, Eviction, HostUnreachable,
                              Interrupted, JobState, NeverJoined, Policy, TimedOut, WorkerExited,
                              decide, run_policy)
 

@@ -37,7 +37,7 @@ def test_only_tf_private_imports_private_modules():
 
 def test_keras_gradient_hooks_installed():
     tfdp.DataParallelStrategy()
-    assert _tf_private.TFOptimizer._clip_gradients.__module__ == "tfdp.collectives"
+    assert _tf_private.TFOptimizer._clip_gradients.__module__ == "tfdp.strategy.collectives"
 
 
 def test_xla_context_detection_pin():
@@ -245,7 +245,7 @@ def test_keras_trainer_patches_are_installed_and_wrap_keras():
                       (TensorFlowTrainer, "make_test_function")]:
         method = getattr(cls, name)
         assert getattr(method, "_tfdp_patch", False), name
-        assert method.__module__ == "tfdp.xla", name
+        assert method.__module__ == "tfdp.strategy.xla", name
         assert method.__wrapped__.__module__.startswith("keras."), name
 
 
@@ -306,7 +306,8 @@ def test_chief_writes_hooks_sit_where_keras_and_tensorflow_write(tmp_path):
     from tensorflow.python.ops import summary_ops_v2
     from tensorflow.python.saved_model import save as saved_model_save
 
-    from tfdp import chief_writes, consensus
+    from tfdp.strategy import chief_writes
+    from tfdp.strategy import consensus
 
     chief_writes._install()
     consensus.install()
@@ -362,7 +363,7 @@ def test_collective_ops_patch_times_every_collective_of_a_step():
     # an all-gather and a reduce-scatter (all-to-all) each report one wait per replica.
     import tensorflow as tf
     from helpers import cpu_devices
-    from tfdp import collectives
+    from tfdp.strategy import collectives
     from tfdp.resilience import stragglers
 
     strategy = tfdp.DataParallelStrategy(devices=cpu_devices(2))

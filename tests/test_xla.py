@@ -12,8 +12,8 @@ import tensorflow as tf
 import keras
 
 import tfdp
-from tfdp import strategy as strategy_lib
-from tfdp import xla
+from tfdp.strategy import data_parallel as strategy_lib
+from tfdp.strategy import xla
 from helpers import (assert_weights_close, classification_data, cpu_devices, initial_weights,
                      mlp, replica_components, train)
 import xla_cases

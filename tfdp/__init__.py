@@ -17,15 +17,15 @@ from tfdp.cluster import ClusterConfig, ClusterConfigError
 __version__ = "0.1.0"
 
 _NAMES = {
-    "configure_cpu_replicas": "tfdp.devices",
-    "DataParallelStrategy": "tfdp.strategy",
-    "scale_learning_rate": "tfdp.schedules",
-    "ShardedOptimizer": "tfdp.sharding",
-    "compile_gradients": "tfdp.xla",
+    "configure_cpu_replicas": "tfdp.strategy.devices",
+    "DataParallelStrategy": "tfdp.strategy.data_parallel",
+    "scale_learning_rate": "tfdp.optimizers.schedules",
+    "ShardedOptimizer": "tfdp.optimizers.sharded",
+    "compile_gradients": "tfdp.strategy.xla",
 }
 _SUBMODULES = ("callbacks", "data", "optimizers", "schedules")
-_TF_SIDE = ("tfdp.devices", "tfdp.strategy", "tfdp.schedules", "tfdp.optimizers", "tfdp.sharding",
-            "tfdp.data", "tfdp.callbacks", "tfdp.xla")
+_TF_SIDE = ("tfdp.strategy.data_parallel", "tfdp.optimizers", "tfdp.schedules", "tfdp.data",
+            "tfdp.callbacks")
 
 __all__ = ["callbacks", "ClusterConfig", "ClusterConfigError", "compile_gradients",
            "configure_cpu_replicas", "data",

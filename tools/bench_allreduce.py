@@ -51,7 +51,7 @@ def main(argv):
     import tensorflow as tf
 
     import tfdp
-    from tfdp import collectives
+    from tfdp.strategy import collectives
 
     n = FLAGS.replicas
     tfdp.configure_cpu_replicas(n)

@@ -148,7 +148,7 @@ def child():
     if variant and variant not in VARIANTS:
         raise app.UsageError(f"unknown variant {variant!r}; one of {sorted(VARIANTS)}")
     if variant == "no_ride":
-        tfdp.xla.rides_metrics = lambda *args, **kwargs: False
+        tfdp.strategy.xla.rides_metrics = lambda *args, **kwargs: False
     count = _load_counter() if FLAGS.count_only else None
     if kind == "mwms":
         tfdp.configure_cpu_replicas(FLAGS.replicas)

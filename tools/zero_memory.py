@@ -62,7 +62,7 @@ def bytes_sent_per_update(sizes, num_replicas, steps, variant, dtype_bytes=4) ->
     ``"zero2_sharded"`` (the reduce-scatter on each of the ``steps`` micro-batches, one
     all-gather).
     """
-    from tfdp.sharding import partition
+    from tfdp.optimizers.sharded import partition
 
     n = num_replicas
     if n == 1:
@@ -127,7 +127,7 @@ def main(argv):
     import tensorflow as tf
 
     import tfdp
-    from tfdp.sharding import variable_bytes_per_device
+    from tfdp.optimizers.sharded import variable_bytes_per_device
 
     counts = [int(n) for n in FLAGS.replicas]
     k = FLAGS.accumulation_steps

@@ -35,7 +35,7 @@ def fit_equivalence(strategy_kwargs):
     import tfdp
     import xla_cases
     from helpers import mlp, train
-    from tfdp import xla
+    from tfdp.strategy import xla
 
     x, y = xla_cases.data()
     results = {}

@@ -19,7 +19,8 @@ import tensorflow as tf  # noqa: E402
 import keras  # noqa: E402
 
 import tfdp  # noqa: E402
-from tfdp import devices, xla  # noqa: E402
+from tfdp.strategy import devices  # noqa: E402
+from tfdp.strategy import xla
 import xla_cases  # noqa: E402
 from helpers import mlp  # noqa: E402
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from tfdp import deadline
+from tfdp.strategy import deadline
 from tfdp.resilience import stragglers
 
 __all__ = ["Agreement"]

@@ -157,7 +157,7 @@ class StopAgreement:
         self._strategy = strategy
         self._rider = None
         if strategy is not None and agreement.num_workers > 1:
-            from tfdp import collectives
+            from tfdp.strategy import collectives
 
             self._rider = _StopFlagRider(watcher)
             collectives.add_gradient_rider(strategy, self._rider)
@@ -179,6 +179,6 @@ class StopAgreement:
     def close(self):
         """Stops carrying the flag in gradient reductions traced from now on."""
         if self._rider is not None:
-            from tfdp import collectives
+            from tfdp.strategy import collectives
 
             collectives.remove_gradient_rider(self._strategy, self._rider)

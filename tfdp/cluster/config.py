@@ -188,7 +188,7 @@ class ClusterConfig:
                 return cls.from_json(text, origin=variable)
         if environ.get("SM_HOSTS", "").strip():
             return cls.from_sagemaker(environ)
-        from tfdp import slurm  # imports this module: loaded late
+        from tfdp.cluster import slurm  # imports this module: loaded late
 
         step = slurm.read_step(environ)
         if step is not None:

@@ -76,10 +76,11 @@ import numpy as np
 import tensorflow as tf
 import keras
 
-from tfdp import _tf_private, collectives
+from tfdp import _tf_private
+from tfdp.strategy import collectives
 from tfdp.optimizers._layerwise import dense
 # Public names of sharding_state stay importable from here.
-from tfdp.sharding_state import (ConsolidatedState, _is_stand_in,  # noqa: F401
+from tfdp.optimizers.sharded_state import (ConsolidatedState, _is_stand_in,  # noqa: F401
                                  install_loss_scale_saving_hooks,
                                  optimizer_state_bytes_per_replica, variable_bytes_per_device)
 

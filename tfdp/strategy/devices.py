@@ -28,7 +28,7 @@ import tensorflow as tf
 
 # Set by tfdp-run so that DataParallelStrategy() in each worker splits its CPU without any
 # change to the user's script; defined with the rest of the launcher protocol.
-from tfdp.cluster import CPU_REPLICAS_ENV
+from tfdp.protocol import CPU_REPLICAS_ENV
 
 __all__ = ["configure_cpu_replicas", "local_devices", "CPU_REPLICAS_ENV", "shared_gpu",
            "SharedGPU", "physical_gpu_of_logical", "gpu_identities", "local_gpu_placements",

@@ -614,7 +614,7 @@ def set_keras_initial_epoch(model, epoch: int) -> None:
 
 
 # noqa: E402 below: the saving half needs _get and _patch, defined above.
-from tfdp._tf_private_saving import (  # noqa: E402,F401
+from tfdp._tf_private.keras_saving import (  # noqa: E402,F401
     patch_keras_file_writers,
     patch_keras_makedirs,
     patch_keras_export,

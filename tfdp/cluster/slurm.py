@@ -52,7 +52,7 @@ import dataclasses
 import re
 from typing import Mapping, Sequence
 
-from tfdp.cluster import DEFAULT_PORT_BASE, ClusterConfigError, port_base
+from tfdp.cluster.config import DEFAULT_PORT_BASE, ClusterConfigError, port_base
 
 __all__ = ["expand_hostlist", "parse_tasks_per_node", "task_layout", "worker_ports",
            "task_gpus", "SlurmStep", "read_step", "batch_step_note", "DEFAULT_PORT_BASE",

@@ -47,9 +47,9 @@ import threading
 import time
 from typing import Callable, Mapping, Optional, Sequence
 
-from tfdp import _remote
+from tfdp.launcher import remote as _remote
 from tfdp.cluster import ClusterConfig
-from tfdp.hosts import Host
+from tfdp.launcher.hosts import Host
 from tfdp.protocol import (ATTEMPT_ENV, CONTROL_DIR_ENV, EVICT_FILE, EXIT_HOST_UNREACHABLE,
                            RANK_ENV, READY_FILE_ENV, SLOT_ENV, exit_code_of, progress_file)
 

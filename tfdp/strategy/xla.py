@@ -37,7 +37,9 @@ import weakref
 import keras
 import tensorflow as tf
 
-from tfdp import _tf_private, collectives, deadline
+from tfdp import _tf_private
+from tfdp.strategy import collectives
+from tfdp.strategy import deadline
 
 __all__ = ["compile_gradients", "CompiledGradients", "compiled_train_step",
            "resolve_auto_jit_compile", "step_plan", "rides_metrics", "install_keras_hooks",

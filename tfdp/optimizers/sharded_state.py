@@ -12,7 +12,8 @@ import threading
 import numpy as np
 import tensorflow as tf
 
-from tfdp import _tf_private, collectives
+from tfdp import _tf_private
+from tfdp.strategy import collectives
 
 __all__ = ["ConsolidatedState", "variable_bytes_per_device", "optimizer_state_bytes_per_replica",
            "install_loss_scale_saving_hooks"]

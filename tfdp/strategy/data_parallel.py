@@ -43,11 +43,18 @@ import threading
 
 import tensorflow as tf
 
-from tfdp import _tf_private, chief_writes, collectives, consensus, deadline, orderly_exit, xla
-from tfdp import devices as devices_lib
-from tfdp.orderly_exit import (CHIEF_EXIT_DRAIN_SECONDS, ORDERLY_EXIT_ENV,  # noqa: F401
+from tfdp import _tf_private
+from tfdp.strategy import chief_writes
+from tfdp.strategy import collectives
+from tfdp.strategy import consensus
+from tfdp.strategy import deadline
+from tfdp.strategy import lifecycle as orderly_exit
+from tfdp.strategy import xla
+from tfdp.strategy import devices as devices_lib
+from tfdp.strategy.lifecycle import (CHIEF_EXIT_DRAIN_SECONDS, ORDERLY_EXIT_ENV,  # noqa: F401
                                _wait_until_gone, leave_together_at_exit)  # (tests, earlier releases)
-from tfdp.cluster import READY_FILE_ENV, ClusterConfig
+from tfdp.cluster import ClusterConfig
+from tfdp.protocol import READY_FILE_ENV
 
 __all__ = ["DataParallelStrategy", "resolve_communication", "jit_compile_error",
            "leave_together_at_exit", "DEFAULT_BUCKET_BYTES",

@@ -1,0 +1,28 @@
+"""The strategy and its parts, one module per mechanism.
+
+* ``data_parallel``: ``DataParallelStrategy`` itself (a ``tf.distribute.Strategy``).
+* ``options``: the pure resolution of the constructor's arguments (communication, devices,
+  deadlines, checks).
+* ``devices``: local devices, ``configure_cpu_replicas``, GPUs shared between replicas.
+* ``collectives``: bucketed, compressed all-reduce, reduce-scatter, all-gather, riders.
+* ``xla``: the compiled per-replica step under the strategy.
+* ``deadline``: the per-step deadline that turns a missing peer into an error.
+* ``lifecycle``: the worker's side of the launcher protocol (ready files, SIGTERM, leaving
+  together at exit).
+* ``keras_integration``: the one entry that installs (and uninstalls) tfdp's Keras patches.
+* ``chief_writes``, ``consensus``: what those patches do for stock Keras saving, callbacks and
+  decisions on several workers.
+
+Importing this package does not import TensorFlow (``tfdp.resilience`` uses ``deadline``
+without it); ``DataParallelStrategy`` loads on first use.
+"""
+
+import importlib as _importlib
+
+__all__ = ["DataParallelStrategy"]
+
+
+def __getattr__(name):
+    if name == "DataParallelStrategy":
+        return _importlib.import_module("tfdp.strategy.data_parallel").DataParallelStrategy
+    raise AttributeError(f"module 'tfdp.strategy' has no attribute {name!r}")
