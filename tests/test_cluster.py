@@ -345,6 +345,33 @@ def test_strategy_takes_a_cluster_resolver():
         tfdp.DataParallelStrategy(cluster_resolver=ps)
 
 
+# --- the package: no import circle, no TensorFlow --------------------------------------
+
+CLUSTER_DIR = os.path.dirname(slurm.__file__)
+CLUSTER_MODULES = sorted(f"tfdp.cluster.{name[:-3]}".replace(".__init__", "")
+                         for name in os.listdir(CLUSTER_DIR) if name.endswith(".py"))
+# tfdp/__init__.py imports tfdp.cluster, so a plain import loads the package before the module;
+# with the parent packages stubbed (their __path__ only), the module named really loads first,
+# and a module importing one that imports it back fails on the half-initialized name.
+STUB_PARENTS = (
+    "import importlib.util, os, sys, types\n"
+    "root = os.path.dirname(importlib.util.find_spec('tfdp').origin)\n"
+    "for name, path in {parents}:\n"
+    "    sys.modules[name] = types.ModuleType(name)\n"
+    "    sys.modules[name].__path__ = [path]\n")
+
+
+@pytest.mark.parametrize("module", CLUSTER_MODULES)
+def test_each_cluster_module_imports_first_without_tensorflow(module):
+    assert len(CLUSTER_MODULES) >= 9, CLUSTER_MODULES
+    parents = "(('tfdp', root),)" if module == "tfdp.cluster" else \
+        "(('tfdp', root), ('tfdp.cluster', os.path.join(root, 'cluster')))"
+    check = (f"import {module}\nimport sys\n"
+             "assert 'tensorflow' not in sys.modules, sorted(sys.modules)\n")
+    for prelude in ("", STUB_PARENTS.format(parents=parents)):
+        subprocess.run([sys.executable, "-c", prelude + check], timeout=60, check=True)
+
+
 # --- Slurm (pure: the real Slurm runs are in test_slurm.py) ------------------------------
 
 @pytest.mark.parametrize("text,hosts", [

@@ -1,4 +1,4 @@
-"""tfdp.deadline: the step deadline that replaced TensorFlow's per-collective timeout.
+"""tfdp.strategy.deadline: the step deadline that replaced TensorFlow's per-collective timeout.
 
 The multi-worker proof (a live worker that never joins the step fails it at the deadline)
 is in test_multiworker.py; a frozen worker is found by TensorFlow's heartbeats (ibid.).

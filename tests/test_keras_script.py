@@ -24,8 +24,7 @@ import tensorflow as tf
 import keras
 
 import tfdp
-from tfdp.strategy import chief_writes
-from tfdp.strategy import consensus
+from tfdp.strategy import chief_writes, consensus
 from helpers import classification_data, cpu_devices, mlp
 
 HERE = os.path.dirname(os.path.abspath(__file__))

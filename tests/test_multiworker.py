@@ -95,7 +95,7 @@ def test_hung_worker_gives_an_error_within_the_timeout(tmp_path):
 
 def test_a_live_worker_that_never_joins_the_step_fails_it_at_the_deadline(tmp_path):
     # Worker 1 blocks in a callback: alive, its heartbeats arrive, so only tfdp's step
-    # deadline (tfdp.deadline) can end worker 0's wait in the next step's all-reduce.
+    # deadline (tfdp.strategy.deadline) can end worker 0's wait in the next step's all-reduce.
     code, out = launch(tmp_path, TFDP_TEST_FAIL="1:0:2:block", TFDP_TEST_EPOCHS=50,
                        TFDP_TEST_TIMEOUT=4)
     assert code not in (0, None), out

@@ -71,7 +71,8 @@ def test_log_dir_that_cannot_be_created_is_a_clear_error(tmp_path, capsys):
 
 
 def test_launcher_does_not_import_tensorflow():
-    code = ("import sys, tfdp.run, tfdp.cluster, tfdp.launch, tfdp.hosts; "
+    code = ("import sys, tfdp.run, tfdp.cluster, tfdp.launcher.processes, tfdp.launcher.hosts, "
+            "tfdp.launcher.policy, tfdp.launcher.remote, tfdp.protocol, tfdp.resilience; "
             "print('tensorflow' in sys.modules, 'keras' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False False", out.stderr

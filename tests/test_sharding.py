@@ -7,7 +7,8 @@ import tensorflow as tf
 import keras
 
 import tfdp
-from tfdp.optimizers.sharded import optimizer_state_bytes_per_replica, partition
+from tfdp.optimizers.sharded import partition
+from tfdp.optimizers.sharded_state import optimizer_state_bytes_per_replica
 from helpers import SHARDING_OPTIMIZERS as OPTIMIZERS
 from helpers import (assert_weights_close, classification_data, cpu_devices, deep_mlp,
                      embedding_model, initial_weights, many_variable_model, mixed_precision_mlp,

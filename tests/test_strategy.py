@@ -8,7 +8,8 @@ import tensorflow as tf
 import keras
 
 import tfdp
-from tfdp.strategy import data_parallel as strategy_lib
+from tfdp.strategy import lifecycle
+from tfdp.strategy import options
 from tfdp.strategy.collectives import plan_buckets
 from helpers import (assert_weights_close, classification_data, cpu_devices,
                      initial_weights, mlp, replica_components, train)
@@ -21,12 +22,12 @@ from helpers import (assert_weights_close, classification_data, cpu_devices,
     ("nccl", "GPU", "nccl"), ("ring", "CPU", "ring"),
 ])
 def test_communication_selection(requested, device_type, expected):
-    assert strategy_lib.resolve_communication(requested, device_type) == expected
+    assert options.resolve_communication(requested, device_type) == expected
 
 
 def test_nccl_without_gpu_is_a_clear_error():
     with pytest.raises(ValueError, match="needs GPUs"):
-        strategy_lib.resolve_communication("nccl", "CPU")
+        options.resolve_communication("nccl", "CPU")
     with pytest.raises(ValueError, match="needs GPUs"):
         tfdp.DataParallelStrategy(communication="nccl")
 
@@ -126,22 +127,22 @@ def test_shared_gpu_detection():
 def test_shared_gpu_picks_ring_for_auto_and_refuses_nccl():
     from tfdp.strategy.devices import SharedGPU
     shared = SharedGPU("ws", "0", [(0, 0), (1, 0)])
-    assert strategy_lib.resolve_communication("auto", "GPU", shared) == "ring"
-    assert strategy_lib.resolve_communication("ring", "GPU", shared) == "ring"
+    assert options.resolve_communication("auto", "GPU", shared) == "ring"
+    assert options.resolve_communication("ring", "GPU", shared) == "ring"
     with pytest.raises(ValueError) as raised:
-        strategy_lib.resolve_communication("nccl", "GPU", shared)
+        options.resolve_communication("nccl", "GPU", shared)
     for needed in ("GPU '0' of host 'ws'", "worker 0 replica 0", "worker 1 replica 0",
                    "NCCL refuses two ranks on one GPU", "communication='auto' or 'ring'",
                    "CUDA_VISIBLE_DEVICES"):
         assert needed in str(raised.value), needed
-    assert strategy_lib.resolve_communication("auto", "GPU", None) == "nccl"  # guard
+    assert options.resolve_communication("auto", "GPU", None) == "nccl"  # guard
 
 
 def test_bf16_compression_on_gpus_is_a_clear_error():
     with pytest.raises(ValueError, match="compression='fp16'"):
-        strategy_lib._check_compression("bf16", "GPU")
-    strategy_lib._check_compression("bf16", "CPU")
-    strategy_lib._check_compression("fp16", "GPU")
+        options.check_compression("bf16", "GPU")
+    options.check_compression("bf16", "CPU")
+    options.check_compression("fp16", "GPU")
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -176,7 +177,7 @@ def test_defaults_and_properties():
     assert s.communication == "ring"
     assert s.cluster == tfdp.ClusterConfig()
     assert s.cluster.num_workers == 1 and s.cluster.is_chief
-    assert s.bucket_bytes == strategy_lib.DEFAULT_BUCKET_BYTES
+    assert s.bucket_bytes == options.DEFAULT_BUCKET_BYTES
     assert s.timeout_seconds is None
 
 
@@ -501,7 +502,7 @@ def test_take_back_sigterm_reinstalls_the_handler_a_c_library_replaced():
         libc.signal(int(signal.SIGTERM), int(signal.SIG_IGN))
         os.kill(os.getpid(), signal.SIGTERM)
         assert received == []  # guard: the replaced handler no longer runs
-        strategy_lib.take_back_sigterm()
+        lifecycle.take_back_sigterm()
         os.kill(os.getpid(), signal.SIGTERM)
         assert received == [signal.SIGTERM]
     finally:

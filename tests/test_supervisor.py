@@ -1,4 +1,4 @@
-"""tfdp.supervisor: the restart and membership policy over event sequences (no processes)."""
+"""tfdp.launcher.policy: the restart and membership policy over event sequences (no processes)."""
 
 import signal
 

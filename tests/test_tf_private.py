@@ -1,5 +1,6 @@
-"""Pins every TensorFlow/Keras-private symbol tfdp uses (tfdp/_tf_private.py), so an
-upgrade that moves one fails here, by name."""
+"""Pins every TensorFlow/Keras-private symbol tfdp uses (the package tfdp/_tf_private/, one
+module per area), so an upgrade that moves one fails here, by name; and pins the package's
+own rules: patches are recorded and undone, and each area module imports on its own."""
 
 import inspect
 
@@ -26,7 +27,7 @@ def test_only_tf_private_imports_private_modules():
     root = pathlib.Path(tfdp.__file__).parent
     offenders = []
     for path in root.rglob("*.py"):
-        if path.name in ("_tf_private.py", "_tf_private_saving.py"):
+        if "_tf_private" in path.relative_to(root).parts:
             continue
         text = path.read_text()
         for needle in ("tensorflow.python", "keras.src", "tf.__internal__"):
@@ -409,3 +410,298 @@ def test_autograph_user_function_converts_beneath_do_not_convert():
     with pytest.raises(Exception, match="AutoGraph|Python bool|tf.Tensor"):  # guard
         pipeline(lambda fn: fn)
     assert _tf_private.autograph_user_function(None) is None
+
+
+# --- the package by area and its patch registry (issue 31 item 2) ---------------------------
+
+AREAS = ("core", "distribute", "data", "coordination", "keras_trainer", "keras_optimizer",
+         "keras_saving")
+
+
+def _python(code: str) -> str:
+    """Runs ``code`` in a fresh Python (this interpreter, cwd the repository root); its stdout."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(tfdp.__file__).parent.parent
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, cwd=root)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result.stdout
+
+
+@pytest.fixture
+def own_registry(monkeypatch):
+    """An empty patch registry for one test: restore_patches() then touches only what the test
+    patched, never the patches tfdp installed for this process's strategies."""
+    from tfdp._tf_private import core
+
+    monkeypatch.setattr(core, "_registry", [])
+    return core
+
+
+def test_restore_patches_puts_back_exactly_what_the_owner_held(own_registry):
+    import functools
+    import types
+
+    core = own_registry
+
+    class Base:
+        def inherited(self):
+            return "base"
+
+    class Target(Base):
+        def method(self):
+            return "original"
+
+        @staticmethod
+        def static():
+            return "static"
+
+    module = types.ModuleType("throwaway")
+    module.function = lambda: "function"
+    module.alias = module.function
+    held = {name: vars(Target)[name] for name in ("method", "static")}
+    function = module.function
+
+    def make(original):
+        return functools.wraps(original)(lambda *args: "patched")
+
+    for name in ("method", "static", "inherited"):
+        core._patch(Target, name, make, "a test")
+    core._patch(module, "function", make, "a test")
+    core._replace(module, "alias", module.function, "a test")
+    assert core.patched() == [(Target, "method"), (Target, "static"), (Target, "inherited"),
+                              (module, "function"), (module, "alias")]
+    # Guard: the patches are in place (the inherited one on Target itself).
+    assert (Target().method(), Target.static(), Target().inherited()) == ("patched",) * 3
+    assert "inherited" in vars(Target) and module.alias is module.function is not function
+    assert _tf_private.restore_patches is core.restore_patches
+    assert core.restore_patches() == 5
+    assert vars(Target)["method"] is held["method"] and vars(Target)["static"] is held["static"]
+    assert "inherited" not in vars(Target) and Target.inherited is Base.inherited
+    assert (Target().method(), Target.static(), Target().inherited()) == (
+        "original", "static", "base")
+    assert module.function is function and module.alias is function
+    assert core.patched() == [] and core.restore_patches() == 0
+    # Restored, the attribute can be patched again (it is no tfdp patch any more).
+    assert core._patch(Target, "method", make, "a test") is held["method"]
+    assert Target().method() == "patched" and core.restore_patches() == 1
+
+
+def test_replace_of_a_missing_attribute_is_one_clear_error(own_registry):
+    class Holder:
+        pass
+
+    with pytest.raises(_tf_private.PrivateAPIError, match=r"Holder\.gone \(a test\)"):
+        own_registry._replace(Holder, "gone", 1, "a test")
+    assert own_registry.patched() == []
+
+
+def test_patch_is_atomic_across_threads(own_registry):
+    import threading
+    import time
+
+    class Target:
+        def method(self):
+            return "original"
+
+    made = []
+    start = threading.Barrier(8)
+
+    def make(original):
+        made.append(original)
+        time.sleep(0.01)  # widen the check-then-replace window a lock must close
+        return lambda self: "patched"
+
+    def install():
+        start.wait()
+        own_registry._patch(Target, "method", make, "a test")
+
+    threads = [threading.Thread(target=install) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(made) == 1 and own_registry.patched() == [(Target, "method")]
+    assert own_registry.restore_patches() == 1 and Target().method() == "original"
+
+
+# In a process of its own: restoring TensorFlow and Keras here would take tfdp's hooks from
+# every strategy the other tests of this process build.
+RESTORE_EVERY_PATCH = """
+import functools
+import keras
+import tensorflow as tf
+import tfdp
+from tfdp import _tf_private as tp
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+from keras.src.legacy.saving import legacy_h5_format
+from keras.src.saving import saving_lib
+from keras.src.trainers.trainer import Trainer
+from keras.src.utils import file_utils
+from tensorflow.python.ops import collective_ops, summary_ops_v2
+from tensorflow.python.saved_model import save as saved_model_save
+
+targets = [
+    (tp.TFOptimizer, "_clip_gradients"), (tp.TFOptimizer, "_all_reduce_sum_gradients"),
+    (tp.LossScaleOptimizer, "check_finite"), (tp.LossScaleOptimizer, "save_own_variables"),
+    (tp.LossScaleOptimizer, "load_own_variables"), (Trainer, "_resolve_auto_jit_compile"),
+    (TensorFlowTrainer, "make_train_function"), (TensorFlowTrainer, "make_test_function"),
+    *[(collective_ops, name) for name in tp.COLLECTIVE_OP_FUNCTIONS],
+    (saving_lib, "save_model"), (saving_lib, "save_weights_only"),
+    (legacy_h5_format, "save_model_to_hdf5"), (file_utils, "makedirs"), (keras.Model, "export"),
+    (summary_ops_v2, "create_file_writer_v2"), (saved_model_save, "save"),
+    (tf.summary, "create_file_writer"), (tf.saved_model, "save"),
+    (tf.train.Checkpoint, "_write"), (tf.train.CheckpointManager, "save"),
+    (keras.callbacks.CSVLogger, "on_train_begin"), (keras.callbacks.CallbackList, "on_epoch_end"),
+]
+
+def snapshot():
+    return [(getattr(owner, name), name in vars(owner)) for owner, name in targets]
+
+def wrap(original):
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        return original(*args, **kwargs)
+    return wrapper
+
+before = snapshot()
+assert tp.patched() == []  # importing tfdp patches nothing
+tfdp.configure_cpu_replicas(2)
+tfdp.DataParallelStrategy(["/device:CPU:0", "/device:CPU:1"])  # tfdp's own hooks
+assert tp.TFOptimizer._clip_gradients.__module__ == "tfdp.strategy.collectives"
+tp.patch_keras_gradient_reduction(wrap, wrap)
+tp.patch_loss_scale_check_finite(wrap)
+tp.patch_loss_scale_saving(wrap, wrap)
+tp.patch_keras_auto_jit_compile(wrap)
+tp.patch_keras_step_functions(wrap, wrap)
+tp.patch_collective_ops(wrap)
+tp.patch_keras_file_writers(wrap)
+tp.patch_keras_makedirs(wrap)
+tp.patch_keras_export(wrap)
+tp.patch_tensorflow_file_writers(lambda original, parameter, keep: wrap(original))
+tp.patch_checkpoint_write(wrap)
+tp.patch_checkpoint_manager_save(wrap)
+tp.patch_keras_callback("CSVLogger", "on_train_begin", wrap)
+tp.patch_keras_callback("CallbackList", "on_epoch_end", wrap)
+during = snapshot()
+# Guard: without a restore every target differs from what TensorFlow and Keras had.
+same = [t for t, b, d in zip(targets, before, during) if d[0] is b[0]]
+assert not same, same
+recorded = tp.patched()
+assert {(id(o), n) for o, n in targets} <= {(id(o), n) for o, n in recorded}, recorded
+restored = tp.restore_patches()
+assert restored == len(recorded), (restored, recorded)
+after = snapshot()
+wrong = [t for t, b, a in zip(targets, before, after) if a[0] is not b[0] or a[1] != b[1]]
+assert not wrong, wrong
+assert tp.patched() == [] and tp.restore_patches() == 0
+print("restored", restored, "targets", len(targets))
+"""
+
+
+def test_restore_patches_leaves_tensorflow_and_keras_as_they_were():
+    words = _python(RESTORE_EVERY_PATCH).split()
+    restored, targets = int(words[words.index("restored") + 1]), int(words[-1])
+    assert targets == 24 and restored >= targets, words
+
+
+# Each area module imported first, with the package's __init__ not run (a stand-in package
+# object holds its path): an area that needed the package, or an area importing it, would
+# find nothing there. Then the real package re-exports every public name of every area.
+IMPORT_EACH_AREA_FIRST = """
+import importlib
+import pathlib
+import sys
+import types
+
+import tfdp
+
+AREAS = {areas!r}
+directory = pathlib.Path(tfdp.__file__).parent / "_tf_private"
+
+def forget():
+    for name in [n for n in sys.modules if n.startswith("tfdp._tf_private")]:
+        del sys.modules[name]
+
+first = {{}}
+for area in AREAS:
+    forget()
+    stand_in = types.ModuleType("tfdp._tf_private")
+    stand_in.__path__ = [str(directory)]
+    sys.modules["tfdp._tf_private"] = stand_in
+    module = importlib.import_module("tfdp._tf_private." + area)
+    first[area] = sorted(n for n, v in vars(module).items() if not n.startswith("_")
+                         and not isinstance(v, types.ModuleType) and n != "annotations")
+    assert vars(stand_in).keys() - {{"__name__", "__doc__", "__package__", "__loader__",
+                                     "__spec__", "__path__"}} <= set(AREAS), vars(stand_in)
+forget()
+package = importlib.import_module("tfdp._tf_private")
+for area, names in first.items():
+    module = sys.modules["tfdp._tf_private." + area]
+    missing = [n for n in names if getattr(package, n, None) is not getattr(module, n)
+               or n not in package.__all__]
+    assert not missing, (area, missing)
+print("ok", len(first))
+"""
+
+
+def test_each_area_module_imports_on_its_own_first():
+    assert _python(IMPORT_EACH_AREA_FIRST.format(areas=AREAS)).split() == ["ok", str(len(AREAS))]
+
+
+def test_area_modules_import_core_and_no_circle():
+    """Statically: an area module imports, of tfdp, only ``tfdp._tf_private.<area>`` modules
+    (never the package, whose __init__ imports the areas), core imports none, and the
+    imports between areas have no circle."""
+    import ast
+    import pathlib
+
+    directory = pathlib.Path(_tf_private.__file__).parent
+    assert sorted(p.stem for p in directory.glob("*.py")) == sorted(AREAS + ("__init__",))
+    imports = {}
+    for area in AREAS:
+        found = set()
+        for node in ast.walk(ast.parse((directory / f"{area}.py").read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                if name and (name == "tfdp" or name.startswith("tfdp.")):
+                    assert name.startswith("tfdp._tf_private."), (area, name)
+                    found.add(name.rsplit(".", 1)[1])
+        imports[area] = found
+    assert imports["core"] == set()
+    for area, found in imports.items():
+        assert found <= set(AREAS) - {area}, (area, found)
+
+    def reachable(area):
+        seen, todo = set(), list(imports[area])
+        while todo:
+            dep = todo.pop()
+            if dep not in seen:
+                seen.add(dep)
+                todo.extend(imports[dep])
+        return seen
+
+    assert not [a for a in AREAS if a in reachable(a)], imports
+
+
+def test_the_layerwise_optimizers_reach_keras_internals_only_through_tf_private():
+    # LARS/LAMB override Keras's private _apply_weight_decay (pinned as LAYERWISE_HOOKS); every
+    # other private Keras name they use is a named accessor of _tf_private.
+    import pathlib
+    import re
+
+    root = pathlib.Path(tfdp.__file__).parent / "optimizers"
+    private = set(_tf_private.OPTIMIZER_HOOKS) | {"_iterations", "_variables",
+                                                    "_distribution_strategy"}
+    for name in ("_layerwise.py", "lamb.py", "lars.py"):
+        text = (root / name).read_text()
+        assert "keras.src" not in text and "tensorflow.python" not in text, name
+        used = {m for m in re.findall(r"\.(_[a-z_]+)\b", text) if m in private}
+        assert used <= {"_apply_weight_decay"}, (name, used)
+    _tf_private.require_attributes(_tf_private.TFOptimizer, _tf_private.LAYERWISE_HOOKS, "hooks")
+    optimizer = tfdp.optimizers.LARS(0.1)
+    assert _tf_private.has_own_weight_decay(optimizer)

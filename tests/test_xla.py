@@ -12,8 +12,8 @@ import tensorflow as tf
 import keras
 
 import tfdp
-from tfdp.strategy import data_parallel as strategy_lib
 from tfdp.strategy import xla
+from tfdp.strategy import options
 from helpers import (assert_weights_close, classification_data, cpu_devices, initial_weights,
                      mlp, replica_components, train)
 import xla_cases
@@ -72,14 +72,14 @@ def test_an_instance_override_of_train_step_is_the_users_step():
 
 
 def test_jit_compile_policy_refuses_only_what_xla_cannot_compile():
-    message = strategy_lib.jit_compile_error("CPU", 4)
+    message = options.jit_compile_error("CPU", 4)
     for needed in ("jit_compile=True", "4 CPU replicas", "cross-replica collectives",
                    "tfdp.compile_gradients", "jit_compile=False"):
         assert needed in message, needed
-    assert strategy_lib.jit_compile_error("CPU", 1) is None  # no collective to compile
-    assert "2 GPU replicas in one process" in strategy_lib.jit_compile_error("GPU", 2, 2)
+    assert options.jit_compile_error("CPU", 1) is None  # no collective to compile
+    assert "2 GPU replicas in one process" in options.jit_compile_error("GPU", 2, 2)
     # Guard: one GPU per worker is left to TensorFlow, which compiles GPU collectives.
-    assert strategy_lib.jit_compile_error("GPU", 8, 1) is None
+    assert options.jit_compile_error("GPU", 8, 1) is None
 
 
 # Moved from test_rough_edges.py (issue 10's jit_compile section). Since issue 23, fit and
@@ -89,14 +89,14 @@ JIT_MESSAGE = "jit_compile=True cannot compile a step of 2 CPU replicas"
 
 
 def test_jit_compile_policy_refuses_several_cpu_replicas_only():
-    message = strategy_lib.jit_compile_error("CPU", 4)
+    message = options.jit_compile_error("CPU", 4)
     for needed in ("jit_compile=True", "4 CPU replicas",
                    "XLA on CPU cannot compile the cross-replica collectives",
                    "jit_compile=False", "jit_compile='auto'", "one replica"):
         assert needed in message, needed
-    assert strategy_lib.jit_compile_error("CPU", 1) is None  # no collective to compile
+    assert options.jit_compile_error("CPU", 1) is None  # no collective to compile
     # Guard: one GPU per process is left to TensorFlow, which compiles collectives there.
-    assert strategy_lib.jit_compile_error("GPU", 8) is None
+    assert options.jit_compile_error("GPU", 8) is None
 
 
 def _jit_model(strategy, jit_compile):

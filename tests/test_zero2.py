@@ -7,7 +7,7 @@ import tensorflow as tf
 import keras
 
 import tfdp
-from tfdp.optimizers.sharded import variable_bytes_per_device
+from tfdp.optimizers.sharded_state import variable_bytes_per_device
 from helpers import ACCUMULATION_OPTIMIZERS as OPTIMIZERS
 from helpers import (assert_weights_close, classification_data, cpu_devices, deep_mlp,
                      embedding_model, initial_weights, many_variable_model, mixed_precision_mlp,

@@ -21,9 +21,9 @@ Environment variables the launcher sets for each worker
                                into K logical replicas.
 
 Environment variables the user may set
-    ``TFDP_ORDERLY_EXIT``      ``0`` turns off the workers' exit barrier (tfdp.orderly_exit).
+    ``TFDP_ORDERLY_EXIT``      ``0`` turns off the workers' exit barrier (tfdp.strategy.lifecycle).
     ``TFDP_PORT_BASE``         the first of the ports workers listen on when tfdp builds the
-                               cluster itself (Slurm, SageMaker's ``SM_HOSTS``; tfdp.slurm).
+                               cluster itself (Slurm, SageMaker's ``SM_HOSTS``; tfdp.cluster.slurm).
     ``TFDP_EVICT_EXIT_CODE``   the code workers exit with to ask for a restart without a worker
                                (default 75); a scheduler that retries only codes >= 128
                                (Kubeflow ``restartPolicy: ExitCode``) needs one of those.
@@ -31,7 +31,7 @@ Environment variables the user may set
 Control files, under ``TFDP_CONTROL_DIR`` (fresh for every attempt)
     ``step-{rank}``            written by a worker after its first completed training step of
                                the attempt; a slot that fails before any exists "could not come
-                               back" (tfdp.supervisor).
+                               back" (tfdp.launcher.policy).
     ``evict.json``             written by the chief before the workers exit with
                                ``EXIT_RESTART_REQUESTED``: ``{"rank": R, "reason": "..."}``, the
                                rank (this attempt's numbering) the job asks to drop.

@@ -114,12 +114,22 @@ def _load_counter():
     """This tree's collective counter, loaded by file so that it also counts for the tfdp
     of another commit (whose package has no counter) and for MWMS."""
     modules = {}
-    for name, path in (("private", "tfdp/_tf_private.py"),
+    # distribute.py imports its core by name; this tree's core stands in for it while it loads
+    # (another commit's tfdp has no such module).
+    saved_core = sys.modules.get("tfdp._tf_private.core")
+    for name, path in (("core", "tfdp/_tf_private/core.py"),
+                       ("private", "tfdp/_tf_private/distribute.py"),
                        ("stragglers", "tfdp/resilience/stragglers.py")):
         spec = importlib.util.spec_from_file_location(f"bench_now_{name}", os.path.join(ROOT, path))
         modules[name] = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = modules[name]  # dataclasses look their module up there
+        if name == "core":
+            sys.modules["tfdp._tf_private.core"] = modules[name]
         spec.loader.exec_module(modules[name])
+    if saved_core is None:
+        del sys.modules["tfdp._tf_private.core"]
+    else:
+        sys.modules["tfdp._tf_private.core"] = saved_core
     # The timing ops must run order-independently (this tree's rule), whatever tfdp is imported.
     modules["stragglers"]._independent = lambda t: (  # noqa: SLF001
         modules["private"].run_independently(getattr(t, "op", t)), t)[1]

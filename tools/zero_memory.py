@@ -54,7 +54,7 @@ def zero_bytes_per_parameter(stage: int, num_replicas: int, precision: str = "mi
 
 def bytes_sent_per_update(sizes, num_replicas, steps, variant, dtype_bytes=4) -> float:
     """Gradient/weight bytes one replica sends per optimizer update. Pure (but for the
-    partition rule, imported from tfdp.sharding).
+    partition rule, imported from tfdp.optimizers.sharded).
 
     variant: ``"all_reduce"`` (ring all-reduce of every gradient once per update: 2(N-1)/N of
     the bytes), ``"zero"`` (ShardedOptimizer: the all-to-all reduce-scatter sends N-1 padded
@@ -127,7 +127,7 @@ def main(argv):
     import tensorflow as tf
 
     import tfdp
-    from tfdp.optimizers.sharded import variable_bytes_per_device
+    from tfdp.optimizers.sharded_state import variable_bytes_per_device
 
     counts = [int(n) for n in FLAGS.replicas]
     k = FLAGS.accumulation_steps

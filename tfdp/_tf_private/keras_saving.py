@@ -1,12 +1,18 @@
-"""TensorFlow/Keras-private use for chief-only writes and agreed decisions, split from
-``tfdp/_tf_private.py`` to keep modules short; ``_tf_private`` re-exports every name, so
-``tfdp._tf_private`` stays the one place the rest of tfdp reaches private TensorFlow and Keras
-through. Each function says why no public API serves; tests/test_tf_private.py pins them.
+"""Keras saving and callbacks, TensorFlow's file writers and checkpoints: the chief-writes area.
+
+What lives here: the functions every Keras and TensorFlow write ends in (model and weights
+files, exports, TensorBoard's writer, SavedModel, checkpoints, ModelCheckpoint's makedirs),
+which tfdp wraps so only the chief writes at the script's path (tfdp/strategy/chief_writes.py);
+the stock callbacks whose decisions must agree across workers (tfdp/strategy/consensus.py);
+and the state of a CheckpointManager and a BackupAndRestore that tfdp redirects on the other
+workers. Each entry says why no public API serves; tests/test_tf_private.py pins them.
 """
 
 from __future__ import annotations
 
-from tfdp._tf_private import _get, _patch
+from collections import namedtuple as _namedtuple
+
+from tfdp._tf_private.core import _get, _patch, _replace
 
 # --- Chief-only writes and agreed decisions (tfdp/chief_writes.py, tfdp/consensus.py) ------
 # A Keras script runs unchanged on several workers: every write below still runs on every
@@ -77,7 +83,7 @@ def patch_tensorflow_file_writers(make) -> None:
         original = _patch(module, name, lambda f, p=parameter, k=keep: make(f, p, k),
                           _CHIEF_WRITES)
         if getattr(api, api_name, None) is original:
-            setattr(api, api_name, getattr(module, name))
+            _replace(api, api_name, getattr(module, name), _CHIEF_WRITES)
 
 
 def patch_checkpoint_write(make) -> None:
@@ -100,7 +106,6 @@ def patch_checkpoint_manager_save(make) -> None:
     _patch(tf.train.CheckpointManager, "save", make, _CHIEF_WRITES)
 
 
-from collections import namedtuple as _namedtuple
 
 CheckpointManagerState = _namedtuple("CheckpointManagerState",
                                      ["directory", "prefix", "maybe_delete", "latest"])

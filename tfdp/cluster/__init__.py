@@ -1,8 +1,19 @@
 """Where this process sits in a job -> ``ClusterConfig``. Pure Python, no TensorFlow import.
 
-See ``config.py`` for the order in which the sources are tried.
+One module per source, each returning a plain ``Layout`` (``layout.py``): ``tf_config``
+(TF_CONFIG), ``vertex`` (CLUSTER_SPEC), ``sagemaker`` (SM_HOSTS), ``slurm`` (an srun step),
+``resolver`` (a ClusterResolver). ``errors`` is the leaf they share; ``config`` builds
+``ClusterConfig`` and states the order in which ``from_env`` tries the sources.
 """
 
-from tfdp.cluster.config import DEFAULT_PORT_BASE, ClusterConfig, ClusterConfigError, port_base
+from tfdp.cluster.config import ClusterConfig
+from tfdp.cluster.errors import DEFAULT_PORT_BASE, ClusterConfigError, port_base
 
 __all__ = ["ClusterConfig", "ClusterConfigError", "DEFAULT_PORT_BASE", "port_base"]
+
+# The launcher protocol's names have one home, tfdp.protocol; 0.2.0 defined them here and the
+# 0.3.0 changelog promised they stay importable from tfdp.cluster.
+from tfdp.protocol import (ATTEMPT_ENV, CONTROL_DIR_ENV, CPU_REPLICAS_ENV,  # noqa: E402,F401
+                           EVICT_FILE, EXIT_PREEMPTED, EXIT_RESTART_REQUESTED, GRACE_ENV,
+                           MIN_WORKERS_ENV, PORT_BASE_ENV, RANK_ENV, READY_FILE_ENV,
+                           RESTARTS_LEFT_ENV, SLOT_ENV, progress_file)

@@ -52,10 +52,12 @@ import dataclasses
 import re
 from typing import Mapping, Sequence
 
-from tfdp.cluster.config import DEFAULT_PORT_BASE, ClusterConfigError, port_base
+from tfdp.cluster.errors import DEFAULT_PORT_BASE, ClusterConfigError, port_base
+from tfdp.cluster.layout import Layout
 
 __all__ = ["expand_hostlist", "parse_tasks_per_node", "task_layout", "worker_ports",
-           "task_gpus", "SlurmStep", "read_step", "batch_step_note", "DEFAULT_PORT_BASE",
+           "task_gpus", "SlurmStep", "read_step", "read_layout", "batch_step_note",
+           "DEFAULT_PORT_BASE",
            "PORTS_PER_STEP", "PORT_BLOCKS"]
 
 PORTS_PER_STEP = 32
@@ -308,6 +310,15 @@ def read_step(environ: Mapping[str, str]) -> SlurmStep | None:
                      counts[node], local)
     return SlurmStep(workers=workers, rank=rank, gpus=gpus, job_id=job_id, step_id=step_id,
                      nodes=nodes)
+
+
+def read_layout(environ: Mapping[str, str]) -> Layout | None:
+    """:func:`read_step` as a :class:`~tfdp.cluster.layout.Layout` (source ``"Slurm"``), or None."""
+    step = read_step(environ)
+    if step is None:
+        return None
+    return Layout.of_workers(step.workers, step.rank, "Slurm", task_gpus=step.gpus,
+                             notes=(f"Slurm job {step.job_id} step {step.step_id}",))
 
 
 def _check_own_placement(environ, nodes, node, local, rank):

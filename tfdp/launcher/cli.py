@@ -9,7 +9,7 @@ Every *attempt* (the first launch, and each restart) gives each worker fresh fre
 ``TF_CONFIG`` (built with :class:`tfdp.ClusterConfig`; ranks 0..W-1 in slot order, so rank 0,
 the chief, is the lowest remaining slot; ``--workers``: 127.0.0.1), a fresh control directory and
 the variables of :mod:`tfdp.protocol`. Where each worker runs and how it is started (local
-process, ssh) is :mod:`tfdp.launch`; the hosts and addresses are :mod:`tfdp.hosts`.
+process, ssh) is :mod:`tfdp.launcher.processes`; the hosts and addresses are :mod:`tfdp.launcher.hosts`.
 
 Output: the terminal shows tfdp-run's own ``[tfdp-run]`` lines and the chief's output, prefixed
 ``[w0]``; ``--output all`` shows every worker, prefixed ``[w<rank>]``. Every worker's whole
@@ -19,7 +19,7 @@ start. On a failure tfdp-run names the worker (rank, slot, host) and prints the 
 of its log, unless they were already on the terminal. Workers get ``TF_CPP_MIN_LOG_LEVEL=2``
 (no TensorFlow C++ INFO/WARNING lines) unless it is set already or ``--tf-cpp-logs`` is given.
 
-Failure handling (the restart and membership rules are in :mod:`tfdp.supervisor`):
+Failure handling (the restart and membership rules are in :mod:`tfdp.launcher.policy`):
 
 * the first worker observed to exit non-zero is the failure; the others are stopped (those
   that exited 143 or 75 were stopping together, so the others first get ``--grace-period`` to
@@ -65,8 +65,8 @@ import tempfile
 import threading
 import time
 
-from tfdp.launcher import processes as launch
-from tfdp.launcher import policy as supervisor
+from tfdp.launcher import policy as restart_policy
+from tfdp.launcher import processes
 from tfdp.launcher.hosts import HostsError, parse_hostfile, parse_hosts, ranks_by_host, slot_hosts, \
     with_addresses
 from tfdp.launcher.processes import Attempt, SshConfig, WorkerLog, free_ports
@@ -91,7 +91,7 @@ TF_CPP_LOG_ENV, TF_CPP_QUIET = "TF_CPP_MIN_LOG_LEVEL", "2"
 
 def tf_configs(num_workers: int, ports, host: str = "127.0.0.1") -> list:
     """Every rank's ``TF_CONFIG`` for ``num_workers`` workers on ``host`` at ``ports``."""
-    return launch.tf_configs([f"{host}:{p}" for p in list(ports)[:num_workers]])
+    return processes.tf_configs([f"{host}:{p}" for p in list(ports)[:num_workers]])
 
 
 class Launcher:
@@ -99,14 +99,14 @@ class Launcher:
 
     Args:
         command: the worker command line.
-        policy: a :class:`tfdp.supervisor.Policy` (workers, max restarts, min workers).
+        policy: a :class:`tfdp.launcher.policy.Policy` (workers, max restarts, min workers).
         cpu_replicas: logical CPU replicas per worker, or None.
         grace_seconds: how long workers get to stop after a signal before SIGKILL.
         env: base environment (default ``os.environ``).
         out: where output goes (default ``sys.stdout``).
-        hosts: :class:`tfdp.hosts.Host` list whose slots add up to ``policy.num_workers``;
+        hosts: :class:`tfdp.launcher.hosts.Host` list whose slots add up to ``policy.num_workers``;
             None: every worker on this machine at 127.0.0.1 (``--workers``).
-        ssh: :class:`tfdp.launch.SshConfig` for hosts other than this machine.
+        ssh: :class:`tfdp.launcher.processes.SshConfig` for hosts other than this machine.
         output: ``"chief"`` (the terminal shows rank 0) or ``"all"``.
         log_dir: where worker logs go; None: a fresh temporary directory.
         pass_env: more variable names remote workers get.
@@ -242,7 +242,7 @@ class Launcher:
             self.log(f"cannot reach host {host.name} to start {self._worker(attempt, rank)}: "
                      f"ssh exited {describe_exit(code)}; stopping the other workers")
             self._report_failure(attempt, rank)
-            return supervisor.HostUnreachable(host.name, ranks, code), [(signal.SIGTERM, grace)]
+            return restart_policy.HostUnreachable(host.name, ranks, code), [(signal.SIGTERM, grace)]
         progressed = attempt.progressed()
         self.log(f"{self._worker(attempt, rank)} exited with code {describe_exit(code)}; "
                  "stopping the other workers")
@@ -253,7 +253,7 @@ class Launcher:
         if not together:
             self._report_failure(attempt, rank)
         phases = [(None, grace)] if together else []
-        return (supervisor.WorkerExited(rank, code, progressed),
+        return (restart_policy.WorkerExited(rank, code, progressed),
                 phases + [(signal.SIGTERM, grace)])
 
     def _never_joined(self, attempt, start_timeout, missing):
@@ -275,7 +275,7 @@ class Launcher:
         # the strategy constructor does not die of SIGTERM (TensorFlow's coordination
         # service has taken the signal over by then), so the full grace period is only lost.
         grace = min(self.grace_seconds, NEVER_JOINED_GRACE_SECONDS)
-        return supervisor.NeverJoined(absent[0], start_timeout), [(signal.SIGTERM, grace)]
+        return restart_policy.NeverJoined(absent[0], start_timeout), [(signal.SIGTERM, grace)]
 
     def _supervise(self, attempt, job_deadline, timeout, start_timeout):
         """Watches the attempt until it ends; returns (AttemptEnd, stop phases)."""
@@ -284,12 +284,12 @@ class Launcher:
             if self.signals:
                 signum = self.signals[0]
                 self.log(f"received {signal.Signals(signum).name}; forwarding to all workers")
-                return supervisor.Interrupted(signum), [(signum, grace)]
+                return restart_policy.Interrupted(signum), [(signum, grace)]
             rank = attempt.next_exit(timeout=_POLL_SECONDS)
             if rank is not None and attempt.codes[rank] != 0:
                 return self._failed(attempt, rank)
             if attempt.all_exited():
-                return supervisor.Completed(), []
+                return restart_policy.Completed(), []
             now = time.monotonic()
             if start_timeout and now - attempt.started_at > start_timeout:
                 missing = [r for r in attempt.running() if not attempt.joined(r)]
@@ -298,7 +298,7 @@ class Launcher:
                 start_timeout = None  # everyone joined (or finished): stop checking
             if job_deadline is not None and now > job_deadline:
                 self.log(f"job exceeded --timeout {timeout:g} s; stopping all workers")
-                return supervisor.TimedOut(timeout), [(signal.SIGTERM, grace)]
+                return restart_policy.TimedOut(timeout), [(signal.SIGTERM, grace)]
 
     def _place(self, state):
         """Each rank's (host or None, ``host:port``) for this attempt, or a HostUnreachable."""
@@ -308,11 +308,11 @@ class Launcher:
         hosts = [self.slot_hosts[s] for s in state.slots]
         grouped = ranks_by_host(hosts)
         try:
-            answers = launch.probe(list(grouped), [len(r) for r in grouped.values()], self.ssh)
-        except launch.HostUnreachableError as e:
+            answers = processes.probe(list(grouped), [len(r) for r in grouped.values()], self.ssh)
+        except processes.HostUnreachableError as e:
             self.log(f"{e}; its worker(s) {[s for s, h in zip(state.slots, hosts) if h == e.host]}"
                      " cannot start")
-            return supervisor.HostUnreachable(e.host.name, grouped[e.host])
+            return restart_policy.HostUnreachable(e.host.name, grouped[e.host])
         addresses = [None] * state.num_workers
         for (host, ranks), (address, ports) in zip(grouped.items(), answers):
             for rank, port in zip(ranks, ports):
@@ -324,7 +324,7 @@ class Launcher:
     def _attempt(self, state, workdir, job_deadline, timeout, start_timeout):
         """Starts and supervises one attempt; returns its AttemptEnd (or an exit code)."""
         placed = self._place(state)
-        if isinstance(placed, supervisor.HostUnreachable):
+        if isinstance(placed, restart_policy.HostUnreachable):
             return placed
         protocol_env = {MIN_WORKERS_ENV: str(self.policy.min_workers),
                         RESTARTS_LEFT_ENV: str(state.restarts_left(self.policy)),
@@ -342,15 +342,15 @@ class Launcher:
             self._stop(attempt, [(signal.SIGTERM, self.grace_seconds)], forwarded=0)
             return EXIT_CANNOT_START
         end, phases = self._supervise(attempt, job_deadline, timeout, start_timeout)
-        self._stop(attempt, phases, forwarded=1 if isinstance(end, supervisor.Interrupted) else 0)
-        if not isinstance(end, (supervisor.Interrupted, supervisor.TimedOut,
-                                supervisor.Completed)):
+        self._stop(attempt, phases, forwarded=1 if isinstance(end, restart_policy.Interrupted) else 0)
+        if not isinstance(end, (restart_policy.Interrupted, restart_policy.TimedOut,
+                                restart_policy.Completed)):
             if self.signals:  # the launcher was signalled while it stopped the workers
-                end = supervisor.Interrupted(self.signals[0])
+                end = restart_policy.Interrupted(self.signals[0])
             elif job_deadline is not None and time.monotonic() > job_deadline:
                 self.log(f"job exceeded --timeout {timeout:g} s while stopping the "
                          "workers; no restart")
-                end = supervisor.TimedOut(timeout)
+                end = restart_policy.TimedOut(timeout)
         return self._with_eviction(attempt, end)
 
     # --- the job ----------------------------------------------------------------------------
@@ -367,9 +367,9 @@ class Launcher:
         try:
             while True:
                 if self.signals:  # arrived between attempts: nothing runs, nothing to stop
-                    end = supervisor.Interrupted(self.signals[0])
+                    end = restart_policy.Interrupted(self.signals[0])
                     self.log(f"received {signal.Signals(end.signum).name}")
-                    return self._finish(supervisor.decide(policy, state, end))
+                    return self._finish(restart_policy.decide(policy, state, end))
                 if state.attempt == 0:
                     self.log(f"starting {state.num_workers} worker(s): {' '.join(self.command)}")
                 else:
@@ -379,7 +379,7 @@ class Launcher:
                 end = self._attempt(state, workdir, job_deadline, timeout, start_timeout)
                 if isinstance(end, int):
                     return end
-                decision = supervisor.decide(policy, state, end)
+                decision = restart_policy.decide(policy, state, end)
                 if not decision.restart:
                     return self._finish(decision)
                 for message in decision.messages:
@@ -392,10 +392,10 @@ class Launcher:
 
     def _with_eviction(self, attempt, end):
         """A worker exit with the restart-requested code + a valid evict.json is an eviction."""
-        if not (isinstance(end, supervisor.WorkerExited) and end.code == self.restart_code):
+        if not (isinstance(end, restart_policy.WorkerExited) and end.code == self.restart_code):
             return end
         text = attempt.eviction_text()
-        eviction = None if text is None else supervisor.parse_eviction(text, attempt.num_workers)
+        eviction = None if text is None else restart_policy.parse_eviction(text, attempt.num_workers)
         if eviction is None:
             self.log(f"{self._worker(attempt, end.rank)} asked for a restart without "
                      f"{EVICT_FILE}: restarting on the same workers if restarts are left")
@@ -403,7 +403,7 @@ class Launcher:
         if isinstance(eviction, str):
             self.log(f"ignoring the eviction request: {eviction}")
             return end
-        return supervisor.EvictionRequested(end.rank, eviction, end.code)
+        return restart_policy.EvictionRequested(end.rank, eviction, end.code)
 
     def _finish(self, decision) -> int:
         for message in decision.messages:
@@ -548,7 +548,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    policy = supervisor.Policy(args.workers, args.max_restarts, args.min_workers)
+    policy = restart_policy.Policy(args.workers, args.max_restarts, args.min_workers)
     connect = min(10.0, args.start_timeout) if args.start_timeout else 10.0
     ssh = SshConfig(port=args.ssh_port, config_file=args.ssh_config,
                     options=tuple(args.ssh_option), python=args.ssh_python,

@@ -1,6 +1,6 @@
 """tfdp-run's restart and membership policy: pure functions over what an attempt ended with.
 
-No processes, no clock, no TensorFlow: ``tfdp.run`` observes the workers and turns what it saw
+No processes, no clock, no TensorFlow: ``tfdp.launcher.cli`` observes the workers and turns what it saw
 into an :class:`AttemptEnd`; :func:`decide` says whether the job finishes (and with which exit
 code) or restarts (and on which slots), with the lines to log. Tests drive it with event
 sequences.

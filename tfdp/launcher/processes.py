@@ -3,7 +3,7 @@
 The rule: a started worker is a local process tfdp-run can read line by line, signal as a whole
 (the worker and everything it started), and wait for with an exit code; it relays the worker's
 control files (:mod:`tfdp.protocol`) into tfdp-run's control directory. What to start, when to
-stop and whether to restart is decided elsewhere (:mod:`tfdp.run`, :mod:`tfdp.supervisor`).
+stop and whether to restart is decided elsewhere (:mod:`tfdp.launcher.cli`, :mod:`tfdp.launcher.policy`).
 
 * **Local** (:class:`LocalWorker`): the command itself, in its own session, so a terminal's
   Ctrl-C reaches tfdp-run only (which forwards it) and a signal to the worker's process group
@@ -13,7 +13,7 @@ stop and whether to restart is decided elsewhere (:mod:`tfdp.run`, :mod:`tfdp.su
   crashed launcher leaves no worker training on: its own session would otherwise keep it out
   of reach of a kill aimed at the launcher's group. (The kernel ties this to the thread that
   started the worker; tfdp-run starts them from the thread that then waits for them.)
-* **Remote** (:class:`RemoteWorker`): ``ssh HOST`` runs :mod:`tfdp._remote` (sent over ssh's
+* **Remote** (:class:`RemoteWorker`): ``ssh HOST`` runs :mod:`tfdp.launcher.remote` (sent over ssh's
   stdin; only a Python 3 is needed there: the one tfdp-run runs on, at the same path, else
   ``python3``, or ``--ssh-python``), which changes to tfdp-run's working directory, sets the
   job's environment and starts the command as given in its own session. Signals travel as lines
@@ -47,7 +47,7 @@ import threading
 import time
 from typing import Callable, Mapping, Optional, Sequence
 
-from tfdp.launcher import remote as _remote
+from tfdp.launcher import remote
 from tfdp.cluster import ClusterConfig
 from tfdp.launcher.hosts import Host
 from tfdp.protocol import (ATTEMPT_ENV, CONTROL_DIR_ENV, EVICT_FILE, EXIT_HOST_UNREACHABLE,
@@ -72,7 +72,7 @@ _BOOTSTRAP = ('import sys,json;exec(compile(json.loads(sys.stdin.buffer.readline
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list:
     """``n`` distinct free TCP ports on ``host`` (held open together so they differ)."""
-    return _remote.free_ports(n, host)
+    return remote.free_ports(n, host)
 
 
 def watch_exit(pid: int, key, exits: "queue.Queue"):
@@ -192,7 +192,7 @@ class SshConfig:
         config_file: ``--ssh-config`` (ssh ``-F``), or None.
         options: ``--ssh-option`` values, each passed as ``-o OPTION`` (before tfdp-run's own
             defaults, so they win: ssh keeps the first value of an option).
-        python: the remote Python for :mod:`tfdp._remote`; None: this Python's path if it
+        python: the remote Python for :mod:`tfdp.launcher.remote`; None: this Python's path if it
             exists there, else ``python3``.
         connect_timeout: seconds ssh waits for a host (``ConnectTimeout``) unless an option
             says otherwise.
@@ -218,7 +218,7 @@ class SshConfig:
         return argv + [host.name, remote_command]
 
     def remote_command(self) -> str:
-        """A POSIX shell line that starts tfdp._remote's bootstrap with the remote Python."""
+        """A POSIX shell line that starts tfdp.launcher.remote's bootstrap with the remote Python."""
         if self.python:
             python = f"PY={shlex.quote(self.python)}"
         else:
@@ -230,12 +230,12 @@ class SshConfig:
 
 
 def _remote_source() -> bytes:
-    with open(_remote.__file__, encoding="utf-8") as f:
+    with open(remote.__file__, encoding="utf-8") as f:
         return (json.dumps(f.read()) + "\n").encode()
 
 
 class RemoteWorker:
-    """The command on ``host`` over ssh, through :mod:`tfdp._remote`.
+    """The command on ``host`` over ssh, through :mod:`tfdp.launcher.remote`.
 
     Args:
         command, env: the worker command line and the variables to set there.
@@ -274,10 +274,10 @@ class RemoteWorker:
                 pass  # ssh has ended; its exit tells the launcher
 
     def _on_stderr(self, line: str):
-        if not line.startswith(_remote.MARK):
+        if not line.startswith(remote.MARK):
             self._log.write(line)  # ssh's own messages (cannot connect, ...) or the remote side's
             return
-        message = json.loads(line[len(_remote.MARK):])
+        message = json.loads(line[len(remote.MARK):])
         if "started" in message:
             self.started = True
         if "file" in message:
@@ -312,7 +312,7 @@ class HostUnreachableError(RuntimeError):
 
 def _probe_one(host: Host, count: int, ssh: SshConfig) -> tuple:
     if host.is_local:
-        address = host.interface and _remote.interface_address(host.interface)
+        address = host.interface and remote.interface_address(host.interface)
         return address or host.default_address, free_ports(count, "")
     job = json.dumps({"mode": "probe", "ports": count, "interface": host.interface})
     try:
@@ -389,7 +389,7 @@ class Attempt:
         workdir: where this attempt's control directory is created.
         addresses: each rank's ``host:port`` in ``TF_CONFIG``.
         logs: each rank's :class:`WorkerLog`.
-        hosts: each rank's :class:`tfdp.hosts.Host`; None (or a local host): this machine.
+        hosts: each rank's :class:`tfdp.launcher.hosts.Host`; None (or a local host): this machine.
         protocol_env: launcher settings every worker sees (min workers, restarts left, grace).
         ssh: how remote hosts are reached.
         pass_env: more variable names a remote worker gets (:func:`remote_environment`).

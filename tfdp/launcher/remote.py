@@ -2,7 +2,7 @@
 
 tfdp-run does not need tfdp, or anything, installed for this file on the remote host: it runs
 ``ssh HOST PYTHON -c BOOTSTRAP`` and sends this file's source as the first line of ssh's stdin
-(:func:`tfdp.launch.remote_command`). The rest of the exchange:
+(:func:`tfdp.launcher.processes.remote_command`). The rest of the exchange:
 
 stdin, the next line: the job, one JSON object --
     ``{"mode": "probe", "ports": N, "interface": IFACE or null}``: print

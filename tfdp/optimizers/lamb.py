@@ -40,6 +40,8 @@ class LAMB(_layerwise.LayerAdaptationMixin, keras.optimizers.Optimizer):
           76 minutes. https://arxiv.org/abs/1904.00962
     """
 
+    _SLOTS = (("_momentums", "momentum"), ("_velocities", "velocity"))
+
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-6,
                  weight_decay=None, bias_correction=True, trust_ratio_clip=None,
                  always_adapt=False, name="lamb", **kwargs):
@@ -52,21 +54,13 @@ class LAMB(_layerwise.LayerAdaptationMixin, keras.optimizers.Optimizer):
         self.beta_2 = beta_2
         self.bias_correction = bias_correction
 
-    def build(self, var_list):
-        if self.built:
-            return
-        super().build(var_list)
-        self._momentums, self._velocities = self.add_optimizer_variables(
-            var_list, ["momentum", "velocity"])
-
     def update_step(self, gradient, variable, learning_rate):
+        m, v = self._slots_for(variable)
         dtype = variable.dtype
         lr = ops.cast(learning_rate, dtype)
         g = ops.cast(_layerwise.dense(gradient), dtype)
         b1 = ops.cast(self.beta_1, dtype)
         b2 = ops.cast(self.beta_2, dtype)
-        index = self._get_variable_index(variable)
-        m, v = self._momentums[index], self._velocities[index]
 
         self.assign(m, b1 * m + (1.0 - b1) * g)
         self.assign(v, b2 * v + (1.0 - b2) * ops.square(g))

@@ -44,6 +44,8 @@ class LARS(_layerwise.LayerAdaptationMixin, keras.optimizers.Optimizer):
         - Goyal et al., 2017. Accurate, Large Minibatch SGD (learning-rate scaling, warmup).
     """
 
+    _SLOTS = (("_momentums", "momentum"),)
+
     def __init__(self, learning_rate=1.0, momentum=0.9, nesterov=False, trust_coefficient=0.001,
                  epsilon=0.0, weight_decay=None, classic_momentum=True, trust_ratio_clip=None,
                  always_adapt=False, name="lars", **kwargs):
@@ -58,17 +60,11 @@ class LARS(_layerwise.LayerAdaptationMixin, keras.optimizers.Optimizer):
         self.trust_coefficient = trust_coefficient
         self.classic_momentum = classic_momentum
 
-    def build(self, var_list):
-        if self.built:
-            return
-        super().build(var_list)
-        self._momentums = self.add_optimizer_variables(var_list, "momentum")
-
     def update_step(self, gradient, variable, learning_rate):
+        (velocity,) = self._slots_for(variable)
         lr = ops.cast(learning_rate, variable.dtype)
         g = ops.cast(_layerwise.dense(gradient), variable.dtype)
         m = ops.cast(self.momentum, variable.dtype)
-        velocity = self._momentums[self._get_variable_index(variable)]
 
         wd = self._weight_decay_for(variable)
         d = g if wd is None else g + wd * variable

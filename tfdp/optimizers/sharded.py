@@ -77,15 +77,13 @@ import tensorflow as tf
 import keras
 
 from tfdp import _tf_private
-from tfdp.strategy import collectives
 from tfdp.optimizers._layerwise import dense
-# Public names of sharding_state stay importable from here.
-from tfdp.optimizers.sharded_state import (ConsolidatedState, _is_stand_in,  # noqa: F401
-                                 install_loss_scale_saving_hooks,
-                                 optimizer_state_bytes_per_replica, variable_bytes_per_device)
+from tfdp.optimizers.sharded_state import (ConsolidatedState, _is_stand_in,
+                                           install_loss_scale_saving_hooks,
+                                           optimizer_state_bytes_per_replica)
+from tfdp.strategy import collectives, is_data_parallel
 
-__all__ = ["ShardedOptimizer", "partition", "optimizer_state_bytes_per_replica",
-           "variable_bytes_per_device", "ACCUMULATION_MODES"]
+__all__ = ["ShardedOptimizer", "partition", "ACCUMULATION_MODES"]
 
 ACCUMULATION_MODES = ("sharded", "local")
 
@@ -209,7 +207,7 @@ class ShardedOptimizer(ConsolidatedState, keras.optimizers.Optimizer):
     def _topology(self):
         """(tfdp strategy or None, replicas in sync, worker rank, local device names)."""
         strategy = _tf_private.optimizer_strategy(self)
-        if getattr(strategy, "_is_tfdp_strategy", False):
+        if is_data_parallel(strategy):
             return (strategy, strategy.num_replicas_in_sync, strategy.cluster.rank,
                     list(strategy.extended.worker_devices))
         if strategy.num_replicas_in_sync == 1:

@@ -7,13 +7,12 @@ owner, so files do not depend on the replica or worker count.
 
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import tensorflow as tf
 
 from tfdp import _tf_private
-from tfdp.strategy import collectives
+from tfdp.strategy import collectives, is_data_parallel
 
 __all__ = ["ConsolidatedState", "variable_bytes_per_device", "optimizer_state_bytes_per_replica",
            "install_loss_scale_saving_hooks"]
@@ -102,7 +101,7 @@ def variable_bytes_per_device(variables, strategy=None) -> list[int]:
     """
     strategy = strategy or tf.distribute.get_strategy()
     values = [getattr(v, "value", v) for v in variables]
-    if not getattr(strategy, "_is_tfdp_strategy", False) and strategy.num_replicas_in_sync == 1:
+    if not is_data_parallel(strategy) and strategy.num_replicas_in_sync == 1:
         return [sum(v.shape.num_elements() * v.dtype.size for v in values)]
     devices = [tf.DeviceSpec.from_string(d) for d in strategy.extended.worker_devices]
     keys = [(d.device_type, d.device_index) for d in devices]
@@ -125,10 +124,6 @@ def optimizer_state_bytes_per_replica(optimizer, strategy=None) -> list[int]:
 
 # --- LossScaleOptimizer around a ShardedOptimizer ---------------------------------------------
 
-_hooks_lock = threading.Lock()
-_hooks_installed = False
-
-
 def install_loss_scale_saving_hooks(sharded_class):
     """Makes ``LossScaleOptimizer(ShardedOptimizer(...))`` save only its own variables.
 
@@ -140,32 +135,28 @@ def install_loss_scale_saving_hooks(sharded_class):
     itself; the LossScaleOptimizer keeps its loss scale and step counter. A file written
     with the positional layout still loads (its first entries are the LossScaleOptimizer's).
     Other LossScaleOptimizers are untouched. No public hook serves: the class is Keras's.
+    Idempotent (``_tf_private``'s registry patches once); ``keras_integration.uninstall``
+    removes them.
     """
-    global _hooks_installed
-    with _hooks_lock:
-        if _hooks_installed:
-            return
+    def make_save(original_save):
+        def save_own_variables(self, store):
+            if not isinstance(self.inner_optimizer, sharded_class):
+                return original_save(self, store)
+            for i, variable in enumerate(_tf_private.optimizer_own_variables(self)):
+                store[str(i)] = variable.numpy()
+        return save_own_variables
 
-        def make_save(original_save):
-            def save_own_variables(self, store):
-                if not isinstance(self.inner_optimizer, sharded_class):
-                    return original_save(self, store)
-                for i, variable in enumerate(_tf_private.optimizer_own_variables(self)):
-                    store[str(i)] = variable.numpy()
-            return save_own_variables
+    def make_load(original_load):
+        def load_own_variables(self, store):
+            if not isinstance(self.inner_optimizer, sharded_class):
+                return original_load(self, store)
+            own = _tf_private.optimizer_own_variables(self)
+            if len(store.keys()) < len(own):
+                raise ValueError(
+                    f"Cannot load {self.name}: the file has {len(store.keys())} variables, "
+                    f"it needs its {len(own)} own. Build it on the same model first.")
+            for i, variable in enumerate(own):
+                variable.assign(store[str(i)])
+        return load_own_variables
 
-        def make_load(original_load):
-            def load_own_variables(self, store):
-                if not isinstance(self.inner_optimizer, sharded_class):
-                    return original_load(self, store)
-                own = _tf_private.optimizer_own_variables(self)
-                if len(store.keys()) < len(own):
-                    raise ValueError(
-                        f"Cannot load {self.name}: the file has {len(store.keys())} variables, "
-                        f"it needs its {len(own)} own. Build it on the same model first.")
-                for i, variable in enumerate(own):
-                    variable.assign(store[str(i)])
-            return load_own_variables
-
-        _tf_private.patch_loss_scale_saving(make_save, make_load)
-        _hooks_installed = True
+    _tf_private.patch_loss_scale_saving(make_save, make_load)

@@ -19,7 +19,16 @@ without it); ``DataParallelStrategy`` loads on first use.
 
 import importlib as _importlib
 
-__all__ = ["DataParallelStrategy"]
+__all__ = ["DataParallelStrategy", "is_data_parallel"]
+
+
+def is_data_parallel(strategy) -> bool:
+    """Whether ``strategy`` is a ``DataParallelStrategy``: the one test tfdp's modules use.
+
+    A marker attribute rather than ``isinstance``, so that the strategy's own parts
+    (collectives, xla) can ask without importing the module that imports them.
+    """
+    return bool(getattr(strategy, "_is_tfdp_strategy", False))
 
 
 def __getattr__(name):

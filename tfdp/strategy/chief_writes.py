@@ -47,7 +47,7 @@ import shutil
 import tempfile
 import threading
 
-__all__ = ["activate", "per_worker_path", "should_redirect", "handling_enabled",
+__all__ = ["activate", "deactivate", "per_worker_path", "should_redirect", "handling_enabled",
            "private_root", "active_worker", "CHIEF_WRITES_ENV"]
 
 log = logging.getLogger("tfdp")
@@ -182,6 +182,12 @@ def activate(cluster) -> None:
     global _worker
     _worker = _Worker(cluster.rank, cluster.is_chief)
     _install()
+
+
+def deactivate() -> None:
+    """Forgets the job: no path is redirected any more (``keras_integration.uninstall``)."""
+    global _worker
+    _worker = None
 
 
 def _redirects(path) -> bool:
@@ -361,10 +367,6 @@ def _backup_paths(callback):
             if value == real or _is_under(value, real)}
 
 
-_install_lock = threading.Lock()
-_installed = False
-
-
 def _tolerate_existing_directory(makedirs):
     """Keras's makedirs, where a directory another worker created first is no error."""
 
@@ -381,29 +383,25 @@ def _tolerate_existing_directory(makedirs):
 
 
 def _install():
-    global _installed
-    with _install_lock:
-        if _installed:
-            return
-        from tfdp import _tf_private as tp
+    """The patches (idempotent: ``_tf_private``'s registry patches once)."""
+    from tfdp import _tf_private as tp
 
-        tp.patch_keras_file_writers(lambda f: _redirect_argument(f, "filepath"))
-        tp.patch_keras_makedirs(_tolerate_existing_directory)
-        tp.patch_keras_export(lambda f: _redirect_argument(f, "filepath"))
-        tp.patch_tensorflow_file_writers(_redirect_argument)
-        tp.patch_checkpoint_write(_checkpoint_write)
-        tp.patch_checkpoint_manager_save(_checkpoint_manager_save)
-        # TensorBoard derives every directory it writes from log_dir in set_model.
-        tp.patch_keras_callback("TensorBoard", "set_model", _while_writing(_single_path("log_dir")))
-        tp.patch_keras_callback("TensorBoard", "on_train_end", _then_drop)
-        # CSVLogger opens its file in on_train_begin and closes it in on_train_end.
-        tp.patch_keras_callback("CSVLogger", "on_train_begin",
-                                _while_writing(_single_path("filename")))
-        tp.patch_keras_callback("CSVLogger", "on_train_end", _then_drop)
-        # BackupAndRestore reads in on_train_begin (left alone: every worker reads the chief's
-        # backup), writes in on_epoch_end / on_train_batch_end, deletes in on_train_end.
-        for name in ("on_epoch_end", "on_train_batch_end"):
-            tp.patch_keras_callback("BackupAndRestore", name, _while_writing(_backup_paths))
-        tp.patch_keras_callback("BackupAndRestore", "on_train_end",
-                                lambda f: _then_drop(_while_writing(_backup_paths)(f)))
-        _installed = True
+    tp.patch_keras_file_writers(lambda f: _redirect_argument(f, "filepath"))
+    tp.patch_keras_makedirs(_tolerate_existing_directory)
+    tp.patch_keras_export(lambda f: _redirect_argument(f, "filepath"))
+    tp.patch_tensorflow_file_writers(_redirect_argument)
+    tp.patch_checkpoint_write(_checkpoint_write)
+    tp.patch_checkpoint_manager_save(_checkpoint_manager_save)
+    # TensorBoard derives every directory it writes from log_dir in set_model.
+    tp.patch_keras_callback("TensorBoard", "set_model", _while_writing(_single_path("log_dir")))
+    tp.patch_keras_callback("TensorBoard", "on_train_end", _then_drop)
+    # CSVLogger opens its file in on_train_begin and closes it in on_train_end.
+    tp.patch_keras_callback("CSVLogger", "on_train_begin",
+                            _while_writing(_single_path("filename")))
+    tp.patch_keras_callback("CSVLogger", "on_train_end", _then_drop)
+    # BackupAndRestore reads in on_train_begin (left alone: every worker reads the chief's
+    # backup), writes in on_epoch_end / on_train_batch_end, deletes in on_train_end.
+    for name in ("on_epoch_end", "on_train_batch_end"):
+        tp.patch_keras_callback("BackupAndRestore", name, _while_writing(_backup_paths))
+    tp.patch_keras_callback("BackupAndRestore", "on_train_end",
+                            lambda f: _then_drop(_while_writing(_backup_paths)(f)))

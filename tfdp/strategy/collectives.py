@@ -25,6 +25,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from tfdp import _tf_private
+from tfdp.strategy import is_data_parallel
 
 __all__ = [
     "COMPRESSION_DTYPES",
@@ -387,13 +388,9 @@ def global_replica_id(strategy=None) -> int:
 
 # --- Keras gradient hooks --------------------------------------------------------------
 
-_install_lock = threading.Lock()
-_installed = False
-
-
 def _tfdp_strategy_in_replica_context(optimizer):
     strategy = _tf_private.optimizer_strategy(optimizer)
-    if not getattr(strategy, "_is_tfdp_strategy", False):
+    if not is_data_parallel(strategy):
         return None
     ctx = tf.distribute.get_replica_context()
     if ctx is None or ctx.strategy is not strategy:
@@ -410,39 +407,34 @@ def install_keras_gradient_hooks():
     calls on every real update, after gradient accumulation) and make the later
     ``_all_reduce_sum_gradients`` a pass-through. Under any other strategy Keras behaves
     exactly as before. ``LossScaleOptimizer.check_finite`` is made to agree across
-    replicas, so one replica's overflow skips the step everywhere.
+    replicas, so one replica's overflow skips the step everywhere. Idempotent (the patches
+    go through ``_tf_private``'s registry); installed by ``keras_integration.install``.
     """
-    global _installed
-    with _install_lock:
-        if _installed:
-            return
+    def make_clip_gradients(original_clip):
+        def _clip_gradients(self, grads):
+            strategy = _tfdp_strategy_in_replica_context(self)
+            if strategy is not None and not getattr(self, "_tfdp_reduces_itself", False):
+                grads = all_reduce_gradients(grads, strategy)
+            return original_clip(self, grads)
+        return _clip_gradients
 
-        def make_clip_gradients(original_clip):
-            def _clip_gradients(self, grads):
-                strategy = _tfdp_strategy_in_replica_context(self)
-                if strategy is not None and not getattr(self, "_tfdp_reduces_itself", False):
-                    grads = all_reduce_gradients(grads, strategy)
-                return original_clip(self, grads)
-            return _clip_gradients
+    def make_all_reduce_sum_gradients(original_all_reduce):
+        def _all_reduce_sum_gradients(self, grads_and_vars):
+            if _tfdp_strategy_in_replica_context(self) is not None:
+                return list(grads_and_vars)  # reduced in _clip_gradients already
+            return original_all_reduce(self, grads_and_vars)
+        return _all_reduce_sum_gradients
 
-        def make_all_reduce_sum_gradients(original_all_reduce):
-            def _all_reduce_sum_gradients(self, grads_and_vars):
-                if _tfdp_strategy_in_replica_context(self) is not None:
-                    return list(grads_and_vars)  # reduced in _clip_gradients already
-                return original_all_reduce(self, grads_and_vars)
-            return _all_reduce_sum_gradients
+    def make_check_finite(original_check_finite):
+        def check_finite(self, grads):
+            finite = original_check_finite(self, grads)
+            strategy = _tfdp_strategy_in_replica_context(self)
+            if strategy is None:
+                return finite
+            bad = all_reduce(tf.cast(tf.logical_not(finite), tf.float32))
+            return tf.equal(bad, 0.0)
+        return check_finite
 
-        def make_check_finite(original_check_finite):
-            def check_finite(self, grads):
-                finite = original_check_finite(self, grads)
-                strategy = _tfdp_strategy_in_replica_context(self)
-                if strategy is None:
-                    return finite
-                bad = all_reduce(tf.cast(tf.logical_not(finite), tf.float32))
-                return tf.equal(bad, 0.0)
-            return check_finite
-
-        _tf_private.patch_keras_gradient_reduction(make_clip_gradients,
-                                                   make_all_reduce_sum_gradients)
-        _tf_private.patch_loss_scale_check_finite(make_check_finite)
-        _installed = True
+    _tf_private.patch_keras_gradient_reduction(make_clip_gradients,
+                                               make_all_reduce_sum_gradients)
+    _tf_private.patch_loss_scale_check_finite(make_check_finite)

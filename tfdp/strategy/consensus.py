@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import weakref
+
+from tfdp.strategy import is_data_parallel
 from typing import Sequence
 
 __all__ = ["install", "agreed_stop", "restored_epochs_error"]
@@ -70,7 +71,7 @@ _agreements: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _multi_worker_tfdp(strategy) -> bool:
     cluster = getattr(strategy, "cluster", None)
-    return (getattr(strategy, "_is_tfdp_strategy", False) and cluster is not None
+    return (is_data_parallel(strategy) and cluster is not None
             and cluster.num_workers > 1)
 
 
@@ -112,33 +113,25 @@ def _check_restored_epoch(callback):
         raise RuntimeError(message)
 
 
-_install_lock = threading.Lock()
-_installed = False
-
-
 def install():
-    """Installs the hooks (idempotent); they act only under a multi-worker tfdp strategy."""
-    global _installed
-    with _install_lock:
-        if _installed:
-            return
-        from tfdp import _tf_private
+    """Installs the hooks (idempotent: ``_tf_private``'s registry patches once); they act only
+    under a multi-worker tfdp strategy."""
+    from tfdp import _tf_private
 
-        def agree_at_epoch_end(original):
-            @functools.wraps(original)
-            def on_epoch_end(self, epoch, logs=None):
-                original(self, epoch, logs)
-                _agree_on_stop(self, epoch)
-            return on_epoch_end
+    def agree_at_epoch_end(original):
+        @functools.wraps(original)
+        def on_epoch_end(self, epoch, logs=None):
+            original(self, epoch, logs)
+            _agree_on_stop(self, epoch)
+        return on_epoch_end
 
-        def check_after_restore(original):
-            @functools.wraps(original)
-            def on_train_begin(self, logs=None):
-                original(self, logs)
-                _check_restored_epoch(self)
-            return on_train_begin
+    def check_after_restore(original):
+        @functools.wraps(original)
+        def on_train_begin(self, logs=None):
+            original(self, logs)
+            _check_restored_epoch(self)
+        return on_train_begin
 
-        _tf_private.patch_keras_callback("CallbackList", "on_epoch_end", agree_at_epoch_end)
-        _tf_private.patch_keras_callback("BackupAndRestore", "on_train_begin",
-                                         check_after_restore)
-        _installed = True
+    _tf_private.patch_keras_callback("CallbackList", "on_epoch_end", agree_at_epoch_end)
+    _tf_private.patch_keras_callback("BackupAndRestore", "on_train_begin",
+                                     check_after_restore)

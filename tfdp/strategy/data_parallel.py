@@ -12,9 +12,9 @@ many workers from ``TF_CONFIG``. What tfdp adds on top:
   stock multi-worker strategy rejects (keras-team/keras#20585);
 * every instance gets its own collective-key range, so several strategies can live in one
   process (the stock strategies reuse keys and the second ``fit`` fails);
-* a finite default collective timeout across workers, so a dead peer is an error, not a
-  hang;
-* XLA works under the strategy (``tfdp.xla``): ``model.compile(jit_compile=True)``
+* a per-step deadline across workers (``deadline``), so a peer that never joins is an
+  error, not a hang;
+* XLA works under the strategy (``xla``): ``model.compile(jit_compile=True)``
   compiles each replica's forward/backward and keeps the reduction outside, and
   ``jit_compile="auto"`` resolves as Keras would on one device (on for GPUs);
   ``tf.function(jit_compile=True)`` around ``strategy.run`` itself, which XLA cannot compile
@@ -25,85 +25,40 @@ many workers from ``TF_CONFIG``. What tfdp adds on top:
 * replicas that share a physical GPU (logical GPUs, or workers of one host) are detected
   before the first collective: ``"auto"`` then uses ring collectives, ``"nccl"`` is an error
   (``devices.shared_gpu``);
-* workers of a multi-worker job leave together (``tfdp.orderly_exit``), so a job that
-  succeeded prints no coordination-service errors from a worker that outlived the chief;
-* SIGTERM keeps the meaning the script gave it (by default: terminate), which TensorFlow's
-  coordination service takes over when a worker joins (``take_back_sigterm``).
+* workers of a multi-worker job leave together, and SIGTERM keeps the meaning the script
+  gave it (``lifecycle``: the worker's side of the launcher protocol).
 
-The orderly exit lives in ``tfdp.orderly_exit``; its names stay importable from here.
+Building one does, in order: resolve and check the arguments (``options.resolve_options``,
+pure: a bad argument fails before anything changes), find the cluster and the local devices,
+tell the launcher it is joining (``lifecycle``), install the Keras integration
+(``keras_integration.install``, idempotent, undone by ``keras_integration.uninstall``), join
+through TensorFlow's collective runtime, then take SIGTERM back, tell the launcher it joined
+and, with several workers, register the orderly exit.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
-import signal
-import threading
 
 import tensorflow as tf
 
 from tfdp import _tf_private
-from tfdp.strategy import chief_writes
-from tfdp.strategy import collectives
-from tfdp.strategy import consensus
-from tfdp.strategy import deadline
-from tfdp.strategy import lifecycle as orderly_exit
-from tfdp.strategy import xla
-from tfdp.strategy import devices as devices_lib
-from tfdp.strategy.lifecycle import (CHIEF_EXIT_DRAIN_SECONDS, ORDERLY_EXIT_ENV,  # noqa: F401
-                               _wait_until_gone, leave_together_at_exit)  # (tests, earlier releases)
 from tfdp.cluster import ClusterConfig
-from tfdp.protocol import READY_FILE_ENV
+from tfdp.strategy import collectives, deadline, keras_integration, lifecycle
+from tfdp.strategy import devices as devices_lib
+from tfdp.strategy.options import (DEFAULT_BUCKET_BYTES, DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS,
+                                   check_compression, describe_shared_gpu, jit_compile_error,
+                                   resolve_communication, resolve_options)
 
-__all__ = ["DataParallelStrategy", "resolve_communication", "jit_compile_error",
-           "leave_together_at_exit", "DEFAULT_BUCKET_BYTES",
-           "DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS", "ORDERLY_EXIT_ENV", "CHIEF_EXIT_DRAIN_SECONDS"]
+__all__ = ["DataParallelStrategy"]
 
 log = logging.getLogger("tfdp")
-
-COMMUNICATIONS = ("auto", "nccl", "ring")
-DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
-# A collective waits at most this long for its peers when there are several workers. Long
-# enough for a chief writing a checkpoint or a slow first trace, short enough that a hung
-# peer ends the job within minutes. Single-process jobs need none: local devices cannot
-# die separately.
-DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS = 300.0
 
 # Collective keys: TensorFlow's own strategies start at 0; each tfdp strategy in a process
 # gets its own range. Workers that create strategies in the same order agree on the keys.
 _KEY_RANGE = 1_000_000
 _key_bases = itertools.count(1)
-
-
-
-def resolve_communication(requested: str, device_type: str, shared=None) -> str:
-    """Returns the collective implementation that will run: ``"nccl"`` or ``"ring"``.
-
-    Args:
-        requested: ``"auto"`` (NCCL on GPUs, ring elsewhere), ``"nccl"`` or ``"ring"``.
-        device_type: ``"GPU"``, ``"CPU"`` or ``"TPU"``, the type of the local replicas.
-        shared: a ``devices.SharedGPU`` when two replicas use one physical GPU (NCCL
-            refuses two ranks on one device): "auto" then picks ring, "nccl" is an error.
-    """
-    if requested not in COMMUNICATIONS:
-        raise ValueError(
-            f"communication={requested!r} is not one of {COMMUNICATIONS}. Use 'auto' to let "
-            "tfdp pick NCCL on GPUs and ring collectives elsewhere.")
-    if requested == "nccl" and device_type != "GPU":
-        raise ValueError(
-            f"communication='nccl' needs GPUs, but the replicas are {device_type} devices "
-            "(NCCL has no CPU kernel). Use communication='ring' or 'auto' on this host.")
-    if requested == "nccl" and shared is not None:
-        raise ValueError(
-            f"communication='nccl' cannot run: {describe_shared_gpu(shared)}, and NCCL refuses "
-            "two ranks on one GPU (TensorFlow would fail at the first collective with 'NCCL: "
-            "invalid usage'). Fix: communication='auto' or 'ring' (ring collectives work on "
-            "a shared GPU), or give each replica its own GPU (one logical device per "
-            "physical GPU; CUDA_VISIBLE_DEVICES set per worker on a shared host).")
-    if requested == "auto":
-        return "nccl" if device_type == "GPU" and shared is None else "ring"
-    return requested
 
 
 _said_shared = set()
@@ -116,92 +71,6 @@ def _say_shared_gpu_once(requested, shared):
     _said_shared.add(shared)
     log.warning("tfdp: %s; NCCL refuses two ranks on one GPU, so communication='auto' uses "
                 "ring collectives.", describe_shared_gpu(shared))
-
-
-def _check_compression(compression, device_type):
-    if compression == "bf16" and device_type == "GPU":
-        raise ValueError(
-            "compression='bf16' cannot run on GPUs: TensorFlow's collectives do not sum "
-            "bfloat16 on GPUs ('Collective all-reduce does not support datatype DT_BFLOAT16 "
-            "on DEVICE_GPU'), with NCCL or ring. Use compression='fp16' (same wire size) or "
-            "None.")
-
-
-def describe_shared_gpu(shared) -> str:
-    """One line naming a shared GPU and the replicas on it (``devices.SharedGPU``)."""
-    who = ", ".join(f"worker {w} replica {r}" for w, r in shared.replicas)
-    return f"GPU {shared.gpu!r} of host {shared.host!r} holds several replicas ({who})"
-
-
-def jit_compile_error(device_type: str, num_replicas_in_sync: int,
-                      num_local_replicas: int = 1) -> str | None:
-    """The error for ``strategy.run`` traced inside an XLA-compiled function, or None.
-
-    Pure policy. XLA cannot compile TensorFlow's cross-replica collectives on CPUs (measured
-    with TF 2.21: ``InvalidArgumentError: Graph execution error`` at the first step, under
-    MirroredStrategy too), nor a step spanning several GPUs of one process (measured on an
-    H100 with two logical GPUs: ``Trying to access resource .../replica_1/... located in
-    device GPU:1``). One replica has no collective to compile and works; one GPU per worker
-    is left to TensorFlow, which compiles GPU collectives itself (not verified: no GPU
-    cluster). ``model.fit`` never gets here: tfdp.xla compiles only each replica's part.
-
-    Args:
-        device_type: ``"CPU"``, ``"GPU"`` or ``"TPU"``, the type of the local replicas.
-        num_replicas_in_sync: replicas over all workers.
-        num_local_replicas: replicas in this process.
-    """
-    if num_replicas_in_sync <= 1 or (device_type != "CPU" and num_local_replicas <= 1):
-        return None
-    if device_type == "CPU":
-        what = f"{num_replicas_in_sync} CPU replicas"
-        why = ("XLA on CPU cannot compile the cross-replica collectives (gradient all-reduce, "
-               "metric sums) that every distributed step contains")
-    else:
-        what = f"{num_local_replicas} {device_type} replicas in one process"
-        why = ("XLA cannot compile one step over several GPUs of one process (TensorFlow fails "
-               "with 'Trying to access resource .../replica_1/... located in device')")
-    return (
-        f"jit_compile=True cannot compile a step of {what}: {why}, so TensorFlow would fail "
-        "at the first step with an opaque error. Fix: compile only each replica's "
-        "forward/backward, with tfdp.compile_gradients(loss_fn, variables) inside "
-        "strategy.run and the optimizer update outside it (model.fit does this by itself "
-        "with jit_compile=True); or call strategy.run outside tf.function(jit_compile=True); "
-        "or use jit_compile=False (or jit_compile='auto'); with one replica, "
-        "jit_compile=True around strategy.run works.")
-
-
-def _resolve_devices(requested):
-    """Validates user-given local device names; returns (canonical names, device type)."""
-    if requested is None:
-        return devices_lib.local_devices()
-    if isinstance(requested, str):
-        requested = [requested]
-    requested = list(requested)
-    if not requested:
-        raise ValueError("devices=[] names no device; pass None for all local devices.")
-    available = {(t, i): f"/device:{t}:{i}"
-                 for t, n in devices_lib.available_devices().items() for i in range(n)}
-    names, types = [], set()
-    for name in requested:
-        spec = tf.DeviceSpec.from_string(name)
-        if spec.job or spec.task is not None:
-            raise ValueError(
-                f"device {name!r} names a job/task; list only local devices such as "
-                "'/device:CPU:1' (workers come from TF_CONFIG).")
-        key = ((spec.device_type or "").upper(), spec.device_index)
-        if key not in available:
-            have = ", ".join(sorted(available.values())) or "none"
-            raise ValueError(
-                f"device {name!r} does not exist on this host (available: {have}). For "
-                "several CPU replicas call tfdp.configure_cpu_replicas(n) before anything "
-                "else.")
-        names.append(available[key])
-        types.add(key[0])
-    if len(set(names)) != len(names):
-        raise ValueError(f"devices={requested!r} lists a device twice.")
-    if len(types) != 1:
-        raise ValueError(f"devices={requested!r} mixes device types {sorted(types)}; use one type.")
-    return names, types.pop()
 
 
 def _resolve_cluster(cluster, cluster_resolver) -> ClusterConfig:
@@ -218,44 +87,6 @@ def _resolve_cluster(cluster, cluster_resolver) -> ClusterConfig:
         raise TypeError(f"cluster must be a tfdp.ClusterConfig, got {type(cluster).__name__}.")
     log.info("tfdp: %s", cluster.describe())
     return cluster
-
-
-def _task_gpu_devices(positions) -> list:
-    """Local device names for this task's share of GPUs its node's tasks all see.
-
-    ``positions`` index ``CUDA_VISIBLE_DEVICES``, as TensorFlow numbers its GPUs
-    (``tfdp.slurm.task_gpus``). The others are hidden with the public
-    ``tf.config.set_visible_devices`` so TensorFlow allocates no memory on them; once
-    TensorFlow has initialised its devices that is too late and the names select them.
-    """
-    gpus = tf.config.list_physical_devices("GPU")
-    if max(positions) >= len(gpus):
-        raise ValueError(f"this task's GPU positions {list(positions)} exceed the {len(gpus)} "
-                         "GPU(s) TensorFlow sees; pass devices= explicitly.")
-    try:
-        tf.config.set_visible_devices([gpus[i] for i in positions], "GPU")
-    except RuntimeError:
-        return [f"/device:GPU:{i}" for i in positions]
-    return [f"/device:GPU:{j}" for j in range(len(positions))]
-
-
-def take_back_sigterm() -> None:
-    """Puts back the SIGTERM handler Python has on record, after TensorFlow replaced it.
-
-    Joining a multi-worker cluster starts TensorFlow's coordination service, which installs
-    a C-level SIGTERM handler of its own (the preemption notifier behind
-    ``tf.distribute.experimental.PreemptionCheckpointHandler``) that only records the
-    signal. Without this a worker ignores ``kill``, Kubernetes' and Slurm's termination and
-    tfdp-run's stop until SIGKILL arrives, and a handler installed before the strategy is
-    silently dead. Python still believes its own handler (by default: terminate) is in
-    place, so installing that again restores what the script expects. tfdp's own preemption
-    path (``tfdp.callbacks.BackupAndRestore``) installs its handler later, through Python.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return  # only the main thread may set handlers; TensorFlow's stays
-    on_record = signal.getsignal(signal.SIGTERM)
-    if on_record is not None:  # None: installed from outside Python, not ours to change
-        signal.signal(signal.SIGTERM, on_record)
 
 
 class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
@@ -366,84 +197,60 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             ``cluster``, as ``MultiWorkerMirroredStrategy`` takes it.
     """
 
-    _is_tfdp_strategy = True
+    _is_tfdp_strategy = True  # tfdp.strategy.is_data_parallel
 
     def __init__(self, devices=None, *, communication="auto", bucket_bytes=None,
                  compression=None, timeout_seconds=None, cluster=None, cluster_resolver=None):
-        if compression not in collectives.COMPRESSION_DTYPES:
-            raise ValueError(
-                f"compression={compression!r} is not one of None, 'fp16', 'bf16'.")
-        if bucket_bytes is None:
-            bucket_bytes = DEFAULT_BUCKET_BYTES
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
-            raise ValueError(
-                f"bucket_bytes={bucket_bytes!r} must be an integer >= 0 (0 = one collective "
-                "per tensor) or None for the default.")
-        if timeout_seconds is not None and not timeout_seconds > 0:
-            raise ValueError(f"timeout_seconds={timeout_seconds!r} must be positive or None.")
         cluster = _resolve_cluster(cluster, cluster_resolver)
+        options = resolve_options(communication=communication, bucket_bytes=bucket_bytes,
+                                  compression=compression, timeout_seconds=timeout_seconds,
+                                  multi_worker=cluster.is_multi_worker)
         if devices is None and cluster.task_gpus is not None:
-            devices = _task_gpu_devices(cluster.task_gpus)
+            devices = devices_lib.task_gpu_devices(cluster.task_gpus)
         devices_lib.configure_from_env()
-        names, device_type = _resolve_devices(devices)
+        names, device_type = devices_lib.resolve_local_devices(devices)
         indices = [tf.DeviceSpec.from_string(n).device_index for n in names]
-        _check_compression(compression, device_type)
+        check_compression(options.compression, device_type)
         local_gpus = (devices_lib.local_gpu_placements(cluster.rank, indices)
                       if device_type == "GPU" else [])
         shared = devices_lib.shared_gpu(local_gpus)
         self._tfdp_communication = resolve_communication(communication, device_type, shared)
         _say_shared_gpu_once(communication, shared)
-        if timeout_seconds is None and cluster.is_multi_worker:
-            timeout_seconds = DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS
         self._tfdp_cluster = cluster
         self._tfdp_devices = names
-        self._tfdp_bucket_bytes = bucket_bytes
-        self._tfdp_compression = compression
-        self._tfdp_timeout = timeout_seconds
+        self._tfdp_bucket_bytes = options.bucket_bytes
+        self._tfdp_compression = options.compression
+        self._tfdp_timeout = options.timeout_seconds
         self._tfdp_key_base = next(_key_bases) * _KEY_RANGE
         _tf_private.set_collective_key_base(self, self._tfdp_key_base)
 
+        lifecycle.announce_joining(cluster)
+        keras_integration.install(cluster)
+        # MultiWorkerMirroredStrategy.__init__ would build its own extended object from
+        # TF_CONFIG; the base Strategy constructor takes ours.
+        _tf_private.StrategyBase.__init__(
+            self, _DataParallelExtended(self, _cluster_resolver(cluster),
+                                        self._communication_options(), device_type, indices))
+        if cluster.is_multi_worker:
+            lifecycle.take_back_sigterm()
+        lifecycle.announce_joined(cluster)
+        if local_gpus and cluster.is_multi_worker:
+            self._tfdp_check_gpus_across_workers(communication, local_gpus)
+        if cluster.is_multi_worker:
+            lifecycle.register(cluster, self._tfdp_timeout)
+        log.info("tfdp.DataParallelStrategy: %d worker(s) x %d %s replica(s), "
+                 "communication=%s, bucket_bytes=%d, compression=%s",
+                 cluster.num_workers, len(names), device_type, self._tfdp_communication,
+                 self._tfdp_bucket_bytes, self._tfdp_compression)
+
+    def _communication_options(self):
         implementation = (tf.distribute.experimental.CommunicationImplementation.NCCL
                           if self._tfdp_communication == "nccl"
                           else tf.distribute.experimental.CommunicationImplementation.RING)
         # No per-collective timeout: TensorFlow's starts threads that sleep for the whole
-        # timeout per collective (a fast job dies of them); tfdp.deadline enforces it per step.
-        options = tf.distribute.experimental.CommunicationOptions(
+        # timeout per collective (a fast job dies of them); deadline.py enforces it per step.
+        return tf.distribute.experimental.CommunicationOptions(
             bytes_per_pack=0, timeout_seconds=None, implementation=implementation)
-        if cluster.is_multi_worker:
-            resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-                tf.train.ClusterSpec({k: list(v) for k, v in cluster.cluster_spec.items()}),
-                task_type=cluster.task_type, task_id=cluster.task_index, rpc_layer="grpc")
-        else:
-            resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(tf.train.ClusterSpec({}))
-        ready_file = os.environ.get(READY_FILE_ENV)
-        if ready_file:
-            # Tell tfdp-run this worker is joining: if it never gets further, a peer is
-            # missing, and the launcher can name the peer rather than this worker.
-            with open(ready_file + ".joining", "w") as f:
-                f.write(f"{cluster.rank}\n")
-        collectives.install_keras_gradient_hooks()
-        xla.install_keras_hooks()
-        # MultiWorkerMirroredStrategy.__init__ would build its own extended object from
-        # TF_CONFIG; the base Strategy constructor takes ours.
-        _tf_private.StrategyBase.__init__(
-            self, _DataParallelExtended(self, resolver, options, device_type, indices))
-        if cluster.is_multi_worker:
-            take_back_sigterm()
-        if ready_file:
-            with open(ready_file, "w") as f:
-                f.write(f"{cluster.rank}\n")
-        if local_gpus and cluster.is_multi_worker:
-            self._tfdp_check_gpus_across_workers(communication, local_gpus)
-        if cluster.is_multi_worker:
-            orderly_exit.register(cluster, timeout_seconds)
-            # Keras scripts unchanged: only the chief writes files, decisions agree.
-            chief_writes.activate(cluster)
-            consensus.install()
-        log.info("tfdp.DataParallelStrategy: %d worker(s) x %d %s replica(s), "
-                 "communication=%s, bucket_bytes=%d, compression=%s",
-                 cluster.num_workers, len(names), device_type, self._tfdp_communication,
-                 bucket_bytes, compression)
 
     # --- what users read -------------------------------------------------------------
     @property
@@ -533,6 +340,15 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             if all(getattr(p, "shape", None) is not None and p.shape.rank == 0 for p in parts):
                 axis = None
         return super().reduce(reduce_op, value, axis)
+
+
+def _cluster_resolver(cluster: ClusterConfig):
+    """TensorFlow's resolver for ``cluster`` (an empty one for a single process)."""
+    if not cluster.is_multi_worker:
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(tf.train.ClusterSpec({}))
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({k: list(v) for k, v in cluster.cluster_spec.items()}),
+        task_type=cluster.task_type, task_id=cluster.task_index, rpc_layer="grpc")
 
 
 def _is_mean(reduce_op) -> bool:

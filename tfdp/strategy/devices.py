@@ -30,7 +30,7 @@ import tensorflow as tf
 # change to the user's script; defined with the rest of the launcher protocol.
 from tfdp.protocol import CPU_REPLICAS_ENV
 
-__all__ = ["configure_cpu_replicas", "local_devices", "CPU_REPLICAS_ENV", "shared_gpu",
+__all__ = ["configure_cpu_replicas", "local_devices", "resolve_local_devices", "task_gpu_devices", "CPU_REPLICAS_ENV", "shared_gpu",
            "SharedGPU", "physical_gpu_of_logical", "gpu_identities", "local_gpu_placements",
            "exchange_gpu_placements"]
 
@@ -216,3 +216,61 @@ def exchange_gpu_placements(key: str, rank: int, num_workers: int, local,
         text = _tf_private.read_from_coordination_service(f"{key}/{worker}", timeout_seconds)
         table.extend(Placement(*p) for p in json.loads(text))
     return table
+
+
+def resolve_local_devices(requested):
+    """``(canonical local device names, device type)`` for ``devices=`` (None: all local devices).
+
+    Raises:
+        ValueError: a name that is not a local device of this host, a device listed twice,
+            or mixed device types; each with the fix.
+    """
+    if requested is None:
+        return local_devices()
+    if isinstance(requested, str):
+        requested = [requested]
+    requested = list(requested)
+    if not requested:
+        raise ValueError("devices=[] names no device; pass None for all local devices.")
+    available = {(t, i): f"/device:{t}:{i}"
+                 for t, n in available_devices().items() for i in range(n)}
+    names, types = [], set()
+    for name in requested:
+        spec = tf.DeviceSpec.from_string(name)
+        if spec.job or spec.task is not None:
+            raise ValueError(
+                f"device {name!r} names a job/task; list only local devices such as "
+                "'/device:CPU:1' (workers come from TF_CONFIG).")
+        key = ((spec.device_type or "").upper(), spec.device_index)
+        if key not in available:
+            have = ", ".join(sorted(available.values())) or "none"
+            raise ValueError(
+                f"device {name!r} does not exist on this host (available: {have}). For "
+                "several CPU replicas call tfdp.configure_cpu_replicas(n) before anything "
+                "else.")
+        names.append(available[key])
+        types.add(key[0])
+    if len(set(names)) != len(names):
+        raise ValueError(f"devices={requested!r} lists a device twice.")
+    if len(types) != 1:
+        raise ValueError(f"devices={requested!r} mixes device types {sorted(types)}; use one type.")
+    return names, types.pop()
+
+
+def task_gpu_devices(positions) -> list:
+    """Local device names for this task's share of GPUs its node's tasks all see.
+
+    ``positions`` index ``CUDA_VISIBLE_DEVICES``, as TensorFlow numbers its GPUs
+    (``tfdp.cluster.slurm.task_gpus``). The others are hidden with the public
+    ``tf.config.set_visible_devices`` so TensorFlow allocates no memory on them; once
+    TensorFlow has initialised its devices that is too late and the names select them.
+    """
+    gpus = tf.config.list_physical_devices("GPU")
+    if max(positions) >= len(gpus):
+        raise ValueError(f"this task's GPU positions {list(positions)} exceed the {len(gpus)} "
+                         "GPU(s) TensorFlow sees; pass devices= explicitly.")
+    try:
+        tf.config.set_visible_devices([gpus[i] for i in positions], "GPU")
+    except RuntimeError:
+        return [f"/device:GPU:{i}" for i in positions]
+    return [f"/device:GPU:{j}" for j in range(len(positions))]

@@ -1,12 +1,26 @@
-"""The workers of a multi-worker job leave together.
+"""A worker's life as the launcher and its peers see it: joining, SIGTERM, leaving together.
 
-Rule. At interpreter exit, unless the process is failing (an uncaught exception, or a non-zero
+This is the worker's side of the launcher protocol (``tfdp.protocol``), kept apart from the
+strategy's collectives and from the Keras integration. Four rules, one per mechanism:
+
+* Joining. When tfdp-run gives ``TFDP_READY_FILE``, the strategy writes ``<file>.joining``
+  before it joins the cluster and ``<file>`` once it has (``announce_joining``,
+  ``announce_joined``): a worker stuck between the two is waiting for a missing peer, which
+  the launcher can then name.
+* SIGTERM. Joining a cluster lets TensorFlow's coordination service take SIGTERM over; the
+  strategy gives it back to whatever Python had on record (``take_back_sigterm``).
+* The job. The cluster of the last multi-worker strategy built in this process is the
+  process's job (``job``), so "am I the chief?" has one answer inside and outside any scope.
+* Leaving together (the orderly exit, below).
+
+Orderly exit. At interpreter exit, unless the process is failing (an uncaught exception, or a non-zero
 ``sys.exit``), every worker waits at one coordination-service barrier (at most the strategy's
 collective timeout; it fails as soon as the service finds a peer dead), then the chief, whose
 process hosts the service, waits until the other workers' processes are gone (at most
 ``CHIEF_EXIT_DRAIN_SECONDS``) before it exits. Failing exits never wait and keep their exit
 code; a handler that cannot complete logs one warning and lets the process exit.
-``TFDP_ORDERLY_EXIT=0`` (``tfdp.protocol.ORDERLY_EXIT_ENV``) turns it off.
+``TFDP_ORDERLY_EXIT=0`` (``tfdp.protocol.ORDERLY_EXIT_ENV``) turns it off. ``release()``
+takes the handler and the ``sys.exit`` wrapper out again (tests, embedding).
 
 Why. TensorFlow's coordination service, which every worker heartbeats to, runs in the chief's
 process, and TensorFlow has no multi-worker shutdown: a worker still running when the chief
@@ -22,15 +36,17 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
 import time
 
 from tfdp.cluster import ClusterConfig
-from tfdp.protocol import ORDERLY_EXIT_ENV
+from tfdp.protocol import ORDERLY_EXIT_ENV, READY_FILE_ENV
 
-__all__ = ["register", "leave_together_at_exit", "ORDERLY_EXIT_ENV", "CHIEF_EXIT_DRAIN_SECONDS"]
+__all__ = ["register", "release", "leave_together_at_exit", "announce_joining", "announce_joined",
+           "take_back_sigterm", "job", "ORDERLY_EXIT_ENV", "CHIEF_EXIT_DRAIN_SECONDS"]
 
 log = logging.getLogger("tfdp")
 
@@ -41,6 +57,62 @@ log = logging.getLogger("tfdp")
 CHIEF_EXIT_DRAIN_SECONDS = 5.0
 _EXIT_BARRIER_ID = "tfdp/orderly-exit"
 
+
+# --- joining and the process's job ---------------------------------------------------------
+
+_job: ClusterConfig | None = None
+
+
+def job() -> ClusterConfig | None:
+    """The cluster of the multi-worker job this process joined, or None if it joined none."""
+    return _job
+
+
+def _ready_file(environ=None) -> str | None:
+    environ = os.environ if environ is None else environ
+    return environ.get(READY_FILE_ENV) or None
+
+
+def announce_joining(cluster: ClusterConfig, environ=None) -> None:
+    """Tells tfdp-run (``TFDP_READY_FILE.joining``) that this worker is joining ``cluster``:
+    if it never gets further, a peer is missing, and the launcher can name the peer."""
+    path = _ready_file(environ)
+    if path:
+        with open(path + ".joining", "w") as f:
+            f.write(f"{cluster.rank}\n")
+
+
+def announce_joined(cluster: ClusterConfig, environ=None) -> None:
+    """Records ``cluster`` as this process's job and tells tfdp-run it joined."""
+    global _job
+    if cluster.is_multi_worker:
+        _job = cluster
+    path = _ready_file(environ)
+    if path:
+        with open(path, "w") as f:
+            f.write(f"{cluster.rank}\n")
+
+
+def take_back_sigterm() -> None:
+    """Puts back the SIGTERM handler Python has on record, after TensorFlow replaced it.
+
+    Joining a multi-worker cluster starts TensorFlow's coordination service, which installs
+    a C-level SIGTERM handler of its own (the preemption notifier behind
+    ``tf.distribute.experimental.PreemptionCheckpointHandler``) that only records the
+    signal. Without this a worker ignores ``kill``, Kubernetes' and Slurm's termination and
+    tfdp-run's stop until SIGKILL arrives, and a handler installed before the strategy is
+    silently dead. Python still believes its own handler (by default: terminate) is in
+    place, so installing that again restores what the script expects. tfdp's own preemption
+    path (``tfdp.callbacks.BackupAndRestore``) installs its handler later, through Python.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return  # only the main thread may set handlers; TensorFlow's stays
+    on_record = signal.getsignal(signal.SIGTERM)
+    if on_record is not None:  # None: installed from outside Python, not ours to change
+        signal.signal(signal.SIGTERM, on_record)
+
+
+# --- the orderly exit ----------------------------------------------------------------------
 
 def leave_together_at_exit(uncaught_exception: bool, exit_code, environ=None) -> bool:
     """Whether this worker should take part in the orderly exit; pure policy.
@@ -116,6 +188,7 @@ class _OrderlyExit:
         self._cluster = None
         self._timeout = None
         self._exit_code = None
+        self._exit_wrapper = None
 
     def register(self, cluster: ClusterConfig, timeout_seconds: float):
         with self._lock:
@@ -136,8 +209,17 @@ class _OrderlyExit:
 
             exit.__doc__ = original_exit.__doc__
             exit.__wrapped__ = original_exit
-            sys.exit = exit
+            sys.exit = self._exit_wrapper = exit
             atexit.register(self._on_exit)
+
+    def release(self):
+        with self._lock:
+            if self._cluster is None:
+                return
+            if sys.exit is self._exit_wrapper:  # not if someone wrapped it after us
+                sys.exit = self._exit_wrapper.__wrapped__
+            atexit.unregister(self._on_exit)
+            self._cluster = self._timeout = self._exit_code = None
 
     def _on_exit(self):
         from tfdp import _tf_private
@@ -180,3 +262,11 @@ def register(cluster: ClusterConfig, timeout_seconds: float) -> None:
         raise ValueError(f"timeout_seconds={timeout_seconds!r}: the exit barrier needs a "
                          "positive bound.")
     _orderly_exit.register(cluster, float(timeout_seconds))
+
+
+def release() -> None:
+    """Undoes ``register`` and forgets the job: ``sys.exit`` and the exit handlers are as
+    they were before the first multi-worker strategy (tests, programs that embed tfdp)."""
+    global _job
+    _orderly_exit.release()
+    _job = None

@@ -38,8 +38,7 @@ import keras
 import tensorflow as tf
 
 from tfdp import _tf_private
-from tfdp.strategy import collectives
-from tfdp.strategy import deadline
+from tfdp.strategy import collectives, deadline, is_data_parallel
 
 __all__ = ["compile_gradients", "CompiledGradients", "compiled_train_step",
            "resolve_auto_jit_compile", "step_plan", "rides_metrics", "install_keras_hooks",
@@ -341,7 +340,7 @@ def _test_step(model):
 
 def _tfdp_strategy_of(model):
     strategy = model.distribute_strategy
-    return strategy if getattr(strategy, "_is_tfdp_strategy", False) else None
+    return strategy if is_data_parallel(strategy) else None
 
 
 def _keras_step(model, name) -> bool:

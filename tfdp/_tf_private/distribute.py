@@ -1,0 +1,202 @@
+"""tf.distribute internals: the strategy engine tfdp extends and the collectives it launches.
+
+What lives here: the classes under MultiWorkerMirroredStrategy that tfdp's
+DataParallelStrategy subclasses and builds (tfdp/strategy/data_parallel.py), the hooks it
+overrides, the collective launchers and ops tfdp's own collectives reuse
+(tfdp/strategy/collectives.py, tfdp/optimizers/sharded.py), the XLA-trace test, the
+collective-op patch of StragglerMonitor and the collective abort of the step deadline. Each
+entry says why no public API serves; tests/test_tf_private.py pins them.
+"""
+
+from __future__ import annotations
+
+from tfdp._tf_private.core import _get, _patch, require_attributes
+
+# Why: tf.distribute has no public way to build a Strategy with a custom extended object.
+# CollectiveAllReduceExtended is the engine under MultiWorkerMirroredStrategy: it mirrors
+# variables over local devices and spans workers with TensorFlow's collective runtime over
+# gRPC. tfdp subclasses it to choose the local devices (logical CPUs per worker, which the
+# stock class never uses) and its communication options.
+from tensorflow.python.distribute.collective_all_reduce_strategy import (
+    CollectiveAllReduceExtended,
+)
+
+# Why: the public MultiWorkerMirroredStrategy constructor always builds its own extended
+# object from TF_CONFIG; tfdp calls the base Strategy constructor with its own extended.
+from tensorflow.python.distribute.distribute_lib import Strategy as StrategyBase
+
+# Why: the per-replica values Keras hands to Strategy.reduce are instances of this class;
+# there is no public isinstance check for "PerReplica".
+from tensorflow.python.distribute.values import DistributedValues
+
+# Why: MirroredStrategy creates a plain (non-mirrored) variable on one device when the
+# creator's colocate_with is a SingleDevice; ShardedOptimizer uses this to place each
+# partition's optimizer state on its owner's device only. No public API creates a
+# single-device variable inside a strategy scope.
+from tensorflow.python.distribute.numpy_dataset import SingleDevice
+
+# Why: TensorFlow exposes no all-to-all on ReplicaContext, and its reduce-scatter op has
+# no CPU kernel. The op must use the strategy's own collective launcher's group key,
+# instance keys and ordering token so it never clashes with TensorFlow's collectives.
+from tensorflow.python.ops import collective_ops as _collective_ops
+
+# Why: tfdp refuses XLA compilation of a multi-replica CPU step with a clear message (see
+# strategy.py, DataParallelStrategy.run). tf.function(jit_compile=True) marks the graph it
+# traces with an XLA control-flow context; TensorFlow's own strategies read it through this
+# function (mirrored_strategy._use_merge_call). No public API says "this trace is XLA".
+from tensorflow.python.ops.control_flow_util import (
+    GraphOrParentsInXlaContext as _graph_or_parents_in_xla_context,
+)
+
+# Why: tfdp's step deadline (tfdp/deadline.py) ends a step whose collectives wait past
+# timeout_seconds. TensorFlow's per-collective timeout would do it, but starts threads that
+# sleep for the whole timeout for every collective (measured: a fast job dies of thread
+# exhaustion). Aborting the collective executor is what TensorFlow's own peer health check
+# (MultiWorkerMirroredStrategy's _check_health) does; only the eager context exposes it.
+from tensorflow.python.eager import context as _eager_context
+
+
+# --- The strategy's extended object (strategy.py) ------------------------------------------
+
+# Why: tfdp's extended object (strategy.py, _DataParallelExtended) overrides these hooks of
+# CollectiveAllReduceExtended: which local devices are replicas, merge-call-free collectives,
+# variable creation (ONLY_FIRST_REPLICA counters), and the two reduction entry points (to cast
+# dtypes TensorFlow's collectives cannot sum). tf.distribute has no public extension points.
+EXTENDED_HOOKS = ("_initialize_local_devices", "_use_merge_call", "_create_variable",
+                  "_reduce_to", "_replica_ctx_all_reduce")
+require_attributes(CollectiveAllReduceExtended, EXTENDED_HOOKS,
+                   "hooks tfdp's DataParallelStrategy overrides")
+
+
+def set_collective_key_base(strategy, base: int) -> None:
+    """Where this strategy's collective group/instance keys start.
+
+    Why: CollectiveAllReduceExtended reads the container strategy's ``_collective_key_base``
+    when it builds its key allocator; TensorFlow's own strategies all start at 0, so two in
+    one process clash. No public argument sets it.
+    """
+    strategy._collective_key_base = base  # noqa: SLF001
+
+
+def extended_num_workers(extended) -> int:
+    """Workers of a collective strategy's extended object. Why: no public attribute;
+    ``num_replicas_in_sync`` counts local devices too."""
+    return _get(extended, "_num_workers", "counting workers")
+
+
+def communication_options(extended):
+    """The ``CommunicationOptions`` a collective strategy was built with.
+
+    Why: no public getter; tfdp's own collectives (buckets, all-to-all) reuse its timeout and
+    implementation. The object is shared with the strategy's collective launchers, so setting
+    its ``implementation`` before the first collective switches all of them (the shared-GPU
+    fallback to ring does so).
+    """
+    return _get(extended, "_communication_options", "collective timeout and implementation")
+
+
+def map_distributed(fn, value):
+    """``fn`` applied to each component of a PerReplica/Mirrored value, on its device; a
+    plain tensor gets ``fn`` directly.
+
+    Why: casting every replica's component (dtypes collectives cannot reduce) needs a new
+    value of the same kind; the public API builds PerReplica values only from datasets or
+    from ``strategy.run``, which cannot be called inside a reduction.
+    """
+    import tensorflow as tf
+
+    if not isinstance(value, DistributedValues):
+        return fn(value)
+    parts = []
+    for component in value.values:
+        with tf.device(component.device):
+            parts.append(fn(component))
+    return type(value)(tuple(parts))
+
+
+def in_xla_context(graph) -> bool:
+    """True while tracing ``graph`` (or a graph it is nested in) for XLA compilation."""
+    return bool(_graph_or_parents_in_xla_context(graph))
+
+
+# --- Collectives (collectives.py, sharded.py) ----------------------------------------------
+
+def all_to_all(launcher, value, options):
+    """``t[i]`` goes to group rank i: CollectiveAllToAllV2 with ``launcher``'s keys."""
+    import tensorflow as tf
+
+    with tf.device(launcher._device):  # noqa: SLF001
+        return _collective_ops.all_to_all_v2(
+            value, launcher._group_size, launcher._group_key,  # noqa: SLF001
+            launcher._next_instance_key(),  # noqa: SLF001
+            communication_hint=options.implementation.value,
+            timeout=options.timeout_seconds or 0,
+            ordering_token=launcher._get_ordering_token())  # noqa: SLF001
+
+
+def collective_launchers(extended):
+    """The per-local-device collective launchers of a collective strategy's extended."""
+    return extended._cross_device_ops._launchers  # noqa: SLF001
+
+
+def all_gather(launcher, value, options):
+    """Concatenation of ``value`` from every group rank along axis 0.
+
+    Why: ReplicaContext.all_gather always goes through merge_call, which cannot run inside
+    tf.cond (LossScaleOptimizer applies the inner optimizer inside one); the launcher's
+    own all-gather launches the collective directly in the replica.
+    """
+    return launcher._all_gather(value, options)  # noqa: SLF001
+
+
+def local_replica_id(replica_context) -> int:
+    """The replica's index among this worker's devices, as a Python int.
+
+    Why: ``replica_id_in_sync_group`` is a tensor inside tf.function and
+    ``ReplicaContext.devices`` is empty in multi-worker mode; ShardedOptimizer needs a
+    trace-time integer to know which partition this replica updates. TensorFlow indexes its
+    own collective launchers with this attribute.
+    """
+    return replica_context._replica_id  # noqa: SLF001
+
+
+# --- Timing and aborting collectives (stragglers.py, deadline.py) ---------------------------
+
+# Why: StragglerMonitor times every collective of a training step (when its input is ready,
+# when its result is), so that time spent waiting for the other workers is told apart from a
+# worker's own time wherever the collective comes from: the gradient reduction, the input
+# pipeline's end-of-data agreement, Keras's metric reduction, ShardedOptimizer's all-to-all.
+# TensorFlow's collective launchers (cross_device_utils.CollectiveReplicaLauncher) and tfdp's
+# all_to_all above build every collective by calling these functions of the private
+# collective_ops module, looked up at call time; no public hook observes a collective.
+COLLECTIVE_OP_FUNCTIONS = ("all_reduce_v2", "all_gather_v2", "all_to_all_v2")
+
+
+def run_independently(op) -> None:
+    """Exempts ``op`` (stateful, no resource inputs) from tf.function's program-order chain.
+
+    Why: tf.function's automatic control dependencies chain every stateful op without
+    resource inputs in creation order, across replicas (auto_control_deps.py,
+    ``last_write_to_resource[None]``). A timestamp after replica 0's collective would then
+    precede replica 1's timestamp before the same collective: a deadlock with two or more
+    local replicas. The graph's ``experimental_acd_manager`` (None outside tf.function's
+    tracing) offers ``run_independently``: the op still runs before the function returns,
+    in parallel with the rest. No public API marks an op order-independent.
+    """
+    manager = getattr(op.graph, "experimental_acd_manager", None)
+    if manager is not None:
+        _get(manager, "run_independently", "timing collectives (StragglerMonitor)")(op)
+
+
+def patch_collective_ops(make) -> None:
+    """Replaces each of ``COLLECTIVE_OP_FUNCTIONS`` by ``make(original)`` once (same
+    signature: the tensor first)."""
+    for name in COLLECTIVE_OP_FUNCTIONS:
+        _patch(_collective_ops, name, make, "timing collectives (StragglerMonitor)")
+
+
+def abort_collective_ops(message: str) -> None:
+    """Fails every collective in flight, and every later one, with DeadlineExceededError."""
+    from tensorflow.python.framework import errors
+
+    _eager_context.context().abort_collective_ops(errors.DEADLINE_EXCEEDED, message)

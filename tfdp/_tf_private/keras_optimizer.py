@@ -1,0 +1,153 @@
+"""Keras optimizer internals: the TensorFlow optimizer backend's state, hooks and class patches.
+
+What lives here: the Keras classes tfdp patches so gradients are reduced before clipping and
+overflow is agreed on (tfdp/strategy/collectives.py) and LossScaleOptimizer saves around a
+ShardedOptimizer (tfdp/optimizers/sharded_state.py); the hooks ShardedOptimizer overrides and
+the optimizer state it reads (tfdp/optimizers/sharded.py); and the per-variable bookkeeping
+LARS and LAMB share with Keras's own optimizers (tfdp/optimizers/_layerwise.py). Each entry
+says why no public API serves; tests/test_tf_private.py pins them.
+"""
+
+from __future__ import annotations
+
+from tfdp._tf_private.core import _get, _patch, require_attributes
+
+# Why: Keras 3 reduces gradients only inside the TensorFlow optimizer backend, *after*
+# clipping them (so clipnorm/global_clipnorm act on local gradients). No public hook
+# lets a strategy reduce earlier, so tfdp patches two methods of this class (see
+# tfdp/collectives.py, install_keras_gradient_hooks).
+from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+# Why: LossScaleOptimizer decides "finite or not" from replica 0's local gradients; tfdp
+# patches check_finite to agree across all replicas (see collectives.py).
+from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+
+# --- Hooks tfdp's optimizers override (sharded.py, _layerwise.py) ---------------------------
+
+# Why: ShardedOptimizer (a keras.optimizers.Optimizer subclass) replaces these steps of Keras's
+# apply(): the per-call body (reduce-scatter, owned update, all-gather), the clipping and the
+# weight decay (both act on the reduced, owned gradients instead), and looks variables up with
+# Keras's own index. Keras documents none of them as overridable.
+OPTIMIZER_HOOKS = ("_backend_apply_gradients", "_clip_gradients", "_apply_weight_decay",
+                   "_use_weight_decay", "_get_variable_index", "_var_key")
+require_attributes(TFOptimizer, OPTIMIZER_HOOKS, "hooks ShardedOptimizer overrides or calls")
+
+# Why: LARS and LAMB apply weight decay inside their update, before the trust ratio, as the
+# papers do. Keras's apply() first decays the variables itself (decoupled) through this
+# method and has no option to skip it, so both override it with a no-op
+# (_layerwise.LayerAdaptationMixin); has_own_weight_decay below tells them apart.
+LAYERWISE_HOOKS = ("_apply_weight_decay",)
+require_attributes(TFOptimizer, LAYERWISE_HOOKS, "hooks LARS and LAMB override")
+
+
+# --- Optimizer state (sharded.py, sharded_state.py) ----------------------------------------
+
+def optimizer_strategy(optimizer):
+    """The tf.distribute strategy a Keras optimizer was created under.
+
+    Why: Keras's TensorFlow optimizer captures it at construction and has no public getter;
+    ``tf.distribute.get_strategy()`` at call time may be another (or none).
+    """
+    return getattr(optimizer, "_distribution_strategy", None)
+
+
+def optimizer_step_counter(optimizer):
+    """The optimizer's call counter (micro-batches with gradient accumulation).
+
+    Why: the public ``iterations`` is ``floor(counter / k)`` with ``gradient_accumulation_steps
+    = k``; ShardedOptimizer advances and reads the raw counter as Keras's apply does.
+    """
+    return _get(optimizer, "_iterations", "the micro-batch counter")
+
+
+def optimizer_own_variables(optimizer) -> list:
+    """The list of variables a Keras optimizer saves by position (``save_own_variables``).
+
+    Why: ``variables`` is a read-only copy; ShardedOptimizer removes the wrapped optimizer's
+    sharded slots from what it saves by position (it saves them consolidated itself).
+    """
+    return _get(optimizer, "_variables", "the variables an optimizer saves")
+
+
+def set_optimizer_own_variables(optimizer, variables) -> None:
+    _get(optimizer, "_variables", "the variables an optimizer saves")
+    optimizer._variables = list(variables)  # noqa: SLF001
+
+
+def gradient_accumulators(optimizer) -> list:
+    """The accumulators of ``gradient_accumulation_steps``, one per model variable, in the
+    model variables' order. Why: no public getter."""
+    return _get(optimizer, "_accumulated_gradients", "gradient accumulators")
+
+
+def moving_averages(optimizer) -> list:
+    """The EMA copies of ``use_ema=True``, one per model variable (None where not averaged).
+    Why: no public getter."""
+    return _get(optimizer, "_model_variables_moving_average", "EMA copies")
+
+
+# --- Per-variable bookkeeping (sharded.py, _layerwise.py) ----------------------------------
+
+def has_own_weight_decay(optimizer) -> bool:
+    """True when the optimizer's class replaces Keras's decoupled weight decay (LARS/LAMB
+    apply theirs inside the update). Why: only the overridden method tells."""
+    return type(optimizer)._apply_weight_decay is not TFOptimizer._apply_weight_decay  # noqa: SLF001
+
+
+# Why (the four below): a Keras optimizer keeps its slots in lists indexed like the variables
+# it was built with, and its weight-decay exclusions by variable identity and name; the public
+# API has neither a lookup of a variable's index or key nor the exclusion test. ShardedOptimizer
+# and LARS/LAMB (keras.optimizers.Optimizer subclasses) use Keras's own, as Keras's optimizers
+# do in their update_step.
+
+def apply_weight_decay(optimizer, variables) -> None:
+    """The optimizer's own weight-decay step on ``variables`` (Keras calls it before updates)."""
+    optimizer._apply_weight_decay(variables)  # noqa: SLF001
+
+
+def uses_weight_decay(optimizer, variable) -> bool:
+    """Keras's exclusion rule (``exclude_from_weight_decay``) for one variable."""
+    return bool(optimizer._use_weight_decay(variable))  # noqa: SLF001
+
+
+def variable_index(optimizer, variable) -> int:
+    """Index of a model variable among those the optimizer was built with (Keras's key)."""
+    return optimizer._get_variable_index(variable)  # noqa: SLF001
+
+
+def variable_key(optimizer, variable):
+    """Keras's identity for a model variable inside an optimizer (stable across replicas)."""
+    return optimizer._var_key(variable)  # noqa: SLF001
+
+
+# --- Class patches (collectives.py, sharded_state.py) --------------------------------------
+
+def patch_keras_gradient_reduction(make_clip_gradients, make_all_reduce_sum_gradients) -> None:
+    """Class patch of Keras's TensorFlow optimizer: ``make_*(original) -> replacement``.
+
+    Why: Keras 3 reduces gradients in ``_all_reduce_sum_gradients`` only after clipping them in
+    ``_clip_gradients``, so clipnorm/global_clipnorm act on local gradients. No public hook
+    lets a strategy reduce first; tfdp reduces in the clip step and makes the later
+    all-reduce a pass-through (collectives.install_keras_gradient_hooks).
+    """
+    _patch(TFOptimizer, "_clip_gradients", make_clip_gradients, "reducing before clipping")
+    _patch(TFOptimizer, "_all_reduce_sum_gradients", make_all_reduce_sum_gradients,
+           "skipping Keras's own all-reduce")
+
+
+def patch_loss_scale_check_finite(make) -> None:
+    """Class patch of LossScaleOptimizer.check_finite. Why: it decides from this replica's
+    gradients only; tfdp makes every replica agree (collectives.py). No public hook."""
+    _patch(LossScaleOptimizer, "check_finite", make, "agreeing on overflow across replicas")
+
+
+def patch_loss_scale_saving(make_save, make_load) -> None:
+    """Class patch of LossScaleOptimizer.save_own_variables/load_own_variables.
+
+    Why: it saves every variable of the wrapped optimizer by position too; around a
+    ShardedOptimizer that list depends on the topology (sharding.py). Keras's class has no
+    hook to save only its own variables.
+    """
+    _patch(LossScaleOptimizer, "save_own_variables", make_save, "saving around ShardedOptimizer")
+    _patch(LossScaleOptimizer, "load_own_variables", make_load, "loading around ShardedOptimizer")

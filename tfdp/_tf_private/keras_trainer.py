@@ -1,0 +1,134 @@
+"""Keras trainer internals: how ``compile``/``fit`` build, run and count a training step.
+
+What lives here: the class patches of tfdp's XLA step (tfdp/strategy/xla.py: what
+``jit_compile="auto"`` means, the train/test step functions) and the pieces of Keras's own
+train step it rebuilds (the loss, the loss metric, the step wrapping), and the epoch
+bookkeeping of a resumed job (tfdp/callbacks/backup_and_restore.py: the first epoch, a short
+epoch's length). Keras's saving and callbacks are in ``keras_saving``, its optimizer in
+``keras_optimizer``. Each entry says why no public API serves; tests/test_tf_private.py pins
+them.
+"""
+
+from __future__ import annotations
+
+from tfdp._tf_private.core import _get, _patch
+
+
+# --- The step function (xla.py) ------------------------------------------------------------
+
+def _keras_trainer_classes():
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    from keras.src.trainers.trainer import Trainer
+
+    return Trainer, TensorFlowTrainer
+
+
+def patch_keras_auto_jit_compile(make) -> None:
+    """Class patch of ``Trainer._resolve_auto_jit_compile`` (what ``jit_compile="auto"`` means).
+
+    Why: Keras resolves "auto" to False under any tf.distribute strategy; tfdp resolves it as
+    Keras would on one device (xla.resolve_auto_jit_compile). ``compile`` has no hook for it.
+    """
+    trainer, _ = _keras_trainer_classes()
+    _patch(trainer, "_resolve_auto_jit_compile", make, "jit_compile='auto' under tfdp")
+
+
+def patch_keras_step_functions(make_train, make_test) -> None:
+    """Class patch of ``make_train_function`` / ``make_test_function`` (Keras's TF trainer).
+
+    Why: with ``jit_compile=True`` Keras compiles the whole distributed step, collectives
+    included, which XLA cannot do across CPU replicas nor for several GPUs in one process.
+    tfdp builds the step itself (xla.py): per-replica compiled forward/backward, reduction and
+    update outside. Keras has no public hook for the step function it builds.
+    """
+    _, tf_trainer = _keras_trainer_classes()
+    _patch(tf_trainer, "make_train_function", make_train, "tfdp's XLA train step")
+    _patch(tf_trainer, "make_test_function", make_test, "tfdp's XLA test step")
+
+
+def keras_make_step_function(model, step_function):
+    """Keras's own wrapping of a per-replica step (strategy.run, output reduction, the
+    steps_per_execution loop, tf.function). Why: only ``_make_function`` builds it."""
+    return _get(model, "_make_function", "building a step function")(step_function)
+
+
+def keras_model_supports_jit(model) -> bool:
+    """Keras's own test (every layer XLA-capable, op determinism off, not a Mac GPU).
+    Why: a private function of keras.src.trainers.trainer, used by "auto"."""
+    from keras.src.trainers.trainer import model_supports_jit
+
+    return bool(model_supports_jit(model))
+
+
+def keras_compute_loss(model, x, y, y_pred, sample_weight, training=True):
+    """The loss exactly as Keras's train_step computes it (``compute_loss`` overrides with or
+    without a ``training`` argument, regularisation losses). Why: only ``_compute_loss``
+    handles both override signatures."""
+    return _get(model, "_compute_loss", "the train step's loss")(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
+
+
+def keras_call_has_training_arg(model) -> bool:
+    """Whether the model's ``call`` takes ``training`` (Keras's train_step passes it only
+    then). Why: Keras records it in a private attribute; re-inspecting the signature could
+    disagree with Keras for wrapped calls."""
+    return bool(_get(model, "_call_has_training_arg", "calling the model as Keras does"))
+
+
+def keras_loss_tracker(model):
+    """The ``Mean`` metric behind the ``loss`` log. Why: no public getter."""
+    return _get(model, "_loss_tracker", "the loss metric")
+
+
+def unscale_loss_for_distribution(value):
+    """Keras's undo of its 1/num_replicas loss scaling, for the loss metric. Why: a function
+    of the private keras.src.losses.loss module."""
+    from keras.src.losses.loss import unscale_loss_for_distribution as unscale
+
+    return unscale(value)
+
+
+# --- Epochs of a resumed job (tfdp/callbacks/backup_and_restore.py) ------------------------
+
+# Why: a job resumed mid-epoch runs a short first epoch (its first steps were trained before
+# the backup). Keras's epoch iterator (a local of Model.fit) takes the epoch length from the
+# dataset's cardinality once per fit; left alone it would step past the end of the short
+# epoch, and TensorFlow's partial-batch handling would feed a step of empty batches that
+# still moves Adam's moments and the iteration counter (or, with unknown cardinality, it
+# would record the short length and cut every later epoch to it). No public API reaches the
+# iterator; BackupAndRestore finds it through the dataset it trains on and sets the length of
+# the resumed epoch (EpochIterator._num_batches), then restores it.
+def set_keras_epoch_length(dataset, num_batches) -> int:
+    """Sets the epoch length of the Keras epoch iterators over ``dataset`` (None: unknown);
+    returns how many iterators it set."""
+    import gc
+
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    candidates = list(gc.get_referrers(dataset))
+    for referrer in list(candidates):
+        if isinstance(referrer, dict):  # an instance __dict__ in some Python versions
+            candidates.extend(gc.get_referrers(referrer))
+    found = {id(obj): obj for obj in candidates
+             if isinstance(obj, EpochIterator) and obj.steps_per_epoch is None}
+    for obj in found.values():
+        obj._num_batches = num_batches  # noqa: SLF001
+    return len(found)
+
+
+def keras_epoch_length(dataset):
+    """The epoch length Keras's data adapter reports for ``dataset`` (None: unknown)."""
+    from keras.src.trainers.data_adapters.tf_dataset_adapter import TFDatasetAdapter
+
+    return TFDatasetAdapter(dataset).num_batches
+
+
+def set_keras_initial_epoch(model, epoch: int) -> None:
+    """Makes ``model.fit`` start at ``epoch`` (a resumed job).
+
+    Why: ``fit`` reads its first epoch from ``model._initial_epoch`` when set (Keras's own
+    BackupAndRestore resumes through it); a callback cannot pass ``initial_epoch`` to a
+    ``fit`` call already running, and no public setter exists.
+    """
+    _get(model, "_initial_epoch", "resuming at an epoch")  # set by Keras's Trainer.__init__
+    model._initial_epoch = int(epoch)  # noqa: SLF001
