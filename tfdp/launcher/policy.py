@@ -165,17 +165,12 @@ class Eviction:
 
 @dataclasses.dataclass(frozen=True)
 class EvictionRequested:
-    """Workers exited with ``EXIT_RESTART_REQUESTED`` and ``evict.json`` named a valid rank.
+    """Workers exited with ``EXIT_RESTART_REQUESTED`` and ``evict.json`` named a valid rank."""
 
-    Args:
-        exited_rank: the first worker observed to exit (with code 75).
-        eviction: what ``evict.json`` asked for.
-        code: the code the workers exited with: 75, or ``TFDP_EVICT_EXIT_CODE``
-            (:func:`tfdp.protocol.restart_requested_exit_code`); the job's code if it ends.
-    """
-
-    exited_rank: int
-    eviction: Eviction
+    exited_rank: int  # the first worker observed to exit (with code 75)
+    eviction: Eviction  # what evict.json asked for
+    # The code the workers exited with: 75, or TFDP_EVICT_EXIT_CODE
+    # (tfdp.protocol.restart_requested_exit_code); the job's code if it ends.
     code: int = EXIT_RESTART_REQUESTED
 
 

@@ -77,6 +77,7 @@ import tensorflow as tf
 import keras
 
 from tfdp import _tf_private
+from tfdp.optimizers import packing
 from tfdp.optimizers._layerwise import dense
 from tfdp.optimizers.sharded_state import (ConsolidatedState, _is_stand_in,
                                            install_loss_scale_saving_hooks,
@@ -448,7 +449,7 @@ class ShardedOptimizer(ConsolidatedState, keras.optimizers.Optimizer):
     def _rows(self, indices, by_index):
         """Variable indices per owner, and the padded row width in elements."""
         rows = [[i for i in indices if self._owners[i] == r] for r in range(self._num_replicas)]
-        width = max(1, max(sum(_num_elements(by_index[i]) for i in row) for row in rows))
+        width = packing.row_width([[_num_elements(by_index[i]) for i in row] for row in rows])
         return rows, width
 
     def _reduce_to_owners(self, grad_of, by_index, me):
@@ -465,10 +466,10 @@ class ShardedOptimizer(ConsolidatedState, keras.optimizers.Optimizer):
         dense = [i for i in grad_of if i not in sparse]
         rows, width = self._rows(dense, by_index)
         dtype = by_index[dense[0]].dtype if dense else tf.float32
-        packed = tf.stack([self._pack([grad_of[i] for i in row], width, dtype) for row in rows])
+        packed = tf.stack([packing.pack([grad_of[i] for i in row], width, dtype) for row in rows])
         packed = collectives.to_wire(packed, strategy.compression)
         mine = tf.cast(collectives.reduce_scatter(packed, strategy), dtype)
-        owned.update(zip(rows[me], self._unpack(mine, [by_index[i] for i in rows[me]])))
+        owned.update(zip(rows[me], packing.unpack(mine, [by_index[i].shape for i in rows[me]])))
         return owned
 
     def _gather_from_owners(self, indices, targets, me, sources=None):
@@ -477,13 +478,13 @@ class ShardedOptimizer(ConsolidatedState, keras.optimizers.Optimizer):
         rows, width = self._rows(indices, targets)
         send = targets if sources is None else sources
         dtype = targets[indices[0]].dtype
-        new_values = self._pack([send[i].value for i in rows[me]], width, dtype)
+        new_values = packing.pack([send[i].value for i in rows[me]], width, dtype)
         gathered = tf.reshape(collectives.all_gather(new_values[tf.newaxis], axis=0),
                               [self._num_replicas, width])
         for r, row in enumerate(rows):
             if (r == me and sources is None) or not row:
                 continue
-            for i, value in zip(row, self._unpack(gathered[r], [targets[i] for i in row])):
+            for i, value in zip(row, packing.unpack(gathered[r], [targets[i].shape for i in row])):
                 targets[i].assign(value)
 
     def _update_owned(self, owned_grads, by_index, distributed):
@@ -521,22 +522,6 @@ class ShardedOptimizer(ConsolidatedState, keras.optimizers.Optimizer):
         if inner.clipvalue and inner.clipvalue > 0:
             return [tf.clip_by_value(g, -inner.clipvalue, inner.clipvalue) for g in grads]
         return grads
-
-    @staticmethod
-    def _pack(tensors, width, dtype):
-        parts = [tf.reshape(tf.cast(t, dtype), [-1]) for t in tensors]
-        used = sum(int(p.shape[0]) for p in parts)
-        parts.append(tf.zeros([width - used], dtype))
-        return tf.concat(parts, axis=0)
-
-    @staticmethod
-    def _unpack(flat, variables):
-        out, offset = [], 0
-        for v in variables:
-            n = _num_elements(v)
-            out.append(tf.reshape(flat[offset:offset + n], v.shape))
-            offset += n
-        return out
 
     # --- memory --------------------------------------------------------------------------------
     def state_bytes_per_replica(self) -> list[int]:

@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp import _tf_private
+from tfdp.optimizers import packing
 from tfdp.strategy import collectives, is_data_parallel
 
 __all__ = ["ConsolidatedState", "variable_bytes_per_device", "optimizer_state_bytes_per_replica",
@@ -44,25 +45,23 @@ class ConsolidatedState:
                     for r in range(self._num_replicas)}
         shapes = [tuple(self._book.model_variables[i].shape) for _, i in self._book.slots]
         dtype = self._book.slots[0][0].value.dtype if self._book.slots else tf.float32
-        width = max(1, max(sum(int(np.prod(shapes[k])) for k, _, _ in slots_of[r])
-                           for r in range(self._num_replicas)))
+        width = packing.row_width([[int(np.prod(shapes[k])) for k, _, _ in slots_of[r]]
+                                   for r in range(self._num_replicas)])
 
         @tf.function
         def gather():
             def fn():
                 me = collectives.global_replica_id(strategy)
-                local = self._pack([v.value for _, v, _ in slots_of[me]], width, dtype)
+                local = packing.pack([v.value for _, v, _ in slots_of[me]], width, dtype)
                 return collectives.all_gather(local[tf.newaxis], axis=0)
             return strategy.run(fn)
 
         table = strategy.experimental_local_results(gather())[0].numpy()
         out = [None] * len(self._book.slots)
         for r in range(self._num_replicas):
-            offset = 0
-            for k, _, _ in slots_of[r]:
-                n = int(np.prod(shapes[k]))
-                out[k] = table[r, offset:offset + n].reshape(shapes[k])
-                offset += n
+            keys = [k for k, _, _ in slots_of[r]]
+            for k, value in zip(keys, packing.unpack(table[r], [shapes[k] for k in keys])):
+                out[k] = value
         return out
 
     def save_own_variables(self, store):
