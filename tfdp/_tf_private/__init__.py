@@ -23,6 +23,7 @@ The areas:
   the epochs of a resumed job.
 * ``keras_optimizer``: Keras's TensorFlow optimizer backend: gradient-reduction and
   LossScaleOptimizer patches, hooks and state ShardedOptimizer and LARS/LAMB use.
+* ``keras_random``: Keras's random draws and seeds (each replica draws what one device draws).
 * ``keras_saving``: Keras saving and callbacks, TensorFlow's file writers and checkpoints
   (only the chief writes; agreed decisions).
 
@@ -42,8 +43,16 @@ from tfdp._tf_private.core import (
     require_attributes,
     restore_patches,
 )
+from tfdp._tf_private.keras_random import (
+    KERAS_INPUT_DRAWS,
+    KERAS_SHAPED_DRAWS,
+    drawn_seed,
+    keras_draw_seed,
+    patch_keras_random,
+)
 from tfdp._tf_private.distribute import (
     COLLECTIVE_OP_FUNCTIONS,
+    convert_like_strategy_run,
     EXTENDED_HOOKS,
     CollectiveAllReduceExtended,
     DistributedValues,
@@ -131,6 +140,9 @@ from tfdp._tf_private.keras_saving import (
 __all__ = [
     # core
     "PrivateAPIError", "require_attributes", "restore_patches", "patched",
+    # keras_random
+    "KERAS_SHAPED_DRAWS", "KERAS_INPUT_DRAWS", "patch_keras_random", "keras_draw_seed",
+    "drawn_seed", "convert_like_strategy_run",
     # distribute
     "CollectiveAllReduceExtended", "StrategyBase", "DistributedValues", "SingleDevice",
     "EXTENDED_HOOKS", "COLLECTIVE_OP_FUNCTIONS", "set_collective_key_base",

@@ -200,3 +200,18 @@ def abort_collective_ops(message: str) -> None:
     from tensorflow.python.framework import errors
 
     _eager_context.context().abort_collective_ops(errors.DEADLINE_EXCEEDED, message)
+
+
+def convert_like_strategy_run(fn):
+    """``fn`` converted by AutoGraph as ``Strategy.run`` converts the function it is given.
+
+    Why: ``DataParallelStrategy.run`` wraps the user's replica function (tfdp's wrapper must
+    not be converted: it is marked ``do_not_convert``), so it converts the user's function
+    itself, with the control status of the caller, exactly as ``Strategy.run`` would have.
+    The public ``tf.autograph.to_graph`` converts unconditionally, which ``Strategy.run`` does
+    not do in eager mode.
+    """
+    from tensorflow.python.autograph.core import ag_ctx
+    from tensorflow.python.autograph.impl import api as autograph_api
+
+    return autograph_api.tf_convert(fn, ag_ctx.control_status_ctx())

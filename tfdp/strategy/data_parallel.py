@@ -45,7 +45,7 @@ import tensorflow as tf
 
 from tfdp import _tf_private
 from tfdp.cluster import ClusterConfig
-from tfdp.strategy import collectives, deadline, keras_integration, lifecycle
+from tfdp.strategy import collectives, deadline, keras_integration, lifecycle, randomness
 from tfdp.strategy import devices as devices_lib
 from tfdp.strategy.options import (DEFAULT_BUCKET_BYTES, DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS,
                                    check_compression, describe_shared_gpu, jit_compile_error,
@@ -195,15 +195,22 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             Vertex AI's CLUSTER_SPEC, SageMaker's SM_HOSTS, a Slurm step; see tfdp.cluster).
         cluster_resolver: any ``tf.distribute.cluster_resolver.ClusterResolver`` instead of
             ``cluster``, as ``MultiWorkerMirroredStrategy`` takes it.
+        random_draws: ``"as_one_device"`` (default): inside ``strategy.run`` (``fit``
+            included) a Keras random draw per example (Dropout, noise, augmentation) gives
+            each replica the numbers one device draws for its rows of the global batch;
+            ``"independent"``: the replica is folded into the seed (cheaper; independent
+            draws, not one device's). See tfdp/strategy/randomness.py.
     """
 
     _is_tfdp_strategy = True  # tfdp.strategy.is_data_parallel
 
     def __init__(self, devices=None, *, communication="auto", bucket_bytes=None,
-                 compression=None, timeout_seconds=None, cluster=None, cluster_resolver=None):
+                 compression=None, timeout_seconds=None, cluster=None, cluster_resolver=None,
+                 random_draws="as_one_device"):
         cluster = _resolve_cluster(cluster, cluster_resolver)
         options = resolve_options(communication=communication, bucket_bytes=bucket_bytes,
                                   compression=compression, timeout_seconds=timeout_seconds,
+                                  random_draws=random_draws,
                                   multi_worker=cluster.is_multi_worker)
         if devices is None and cluster.task_gpus is not None:
             devices = devices_lib.task_gpu_devices(cluster.task_gpus)
@@ -221,6 +228,7 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         self._tfdp_bucket_bytes = options.bucket_bytes
         self._tfdp_compression = options.compression
         self._tfdp_timeout = options.timeout_seconds
+        self._tfdp_random_draws = options.random_draws
         self._tfdp_key_base = next(_key_bases) * _KEY_RANGE
         _tf_private.set_collective_key_base(self, self._tfdp_key_base)
 
@@ -274,6 +282,10 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         return self._tfdp_timeout
 
     @property
+    def random_draws(self) -> str:
+        return self._tfdp_random_draws
+
+    @property
     def local_devices(self) -> list:
         return list(self._tfdp_devices)
 
@@ -305,7 +317,8 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             self._tfdp_communication = chosen
 
     def run(self, fn, args=(), kwargs=None, options=None):
-        """``tf.distribute.Strategy.run``, refusing XLA compilation it cannot survive.
+        """``tf.distribute.Strategy.run``, with per-replica random draws (``random_draws``),
+        refusing XLA compilation it cannot survive.
 
         Raises:
             ValueError: naming ``jit_compile``, the reason and the fix, when called while
@@ -317,7 +330,8 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
                                         self.num_replicas_in_sync, len(self._tfdp_devices))
             if message:
                 raise ValueError(message)
-        return super().run(fn, args=args, kwargs=kwargs, options=options)
+        return super().run(randomness.replica_function(self, fn), args=args, kwargs=kwargs,
+                           options=options)
 
     # --- Keras-3 compatibility -------------------------------------------------------
     def reduce(self, reduce_op, value, axis=None):

@@ -12,7 +12,9 @@ forgets the job, so a later strategy installs afresh. What it installs:
    and a ``LossScaleOptimizer`` skips a step on every replica when any replica overflows.
 2. XLA (``xla.install_keras_hooks``): ``jit_compile="auto"`` resolves as on one device, and
    ``jit_compile=True`` compiles each replica's part of the step.
-3. With several workers, the stock callbacks and saving: only the chief writes to the user's
+3. Random draws (``randomness.install_keras_hooks``): inside a tfdp replica function, Keras's
+   random ops draw for each replica what one device draws for its rows of the global batch.
+4. With several workers, the stock callbacks and saving: only the chief writes to the user's
    paths (``chief_writes``), and ``EarlyStopping``-style decisions and restored epochs agree
    across workers (``consensus``).
 
@@ -26,7 +28,7 @@ not Keras's and lives apart, in ``tfdp.strategy.lifecycle``.
 from __future__ import annotations
 
 from tfdp import _tf_private
-from tfdp.strategy import chief_writes, collectives, consensus, xla
+from tfdp.strategy import chief_writes, collectives, consensus, randomness, xla
 
 __all__ = ["install", "uninstall", "installed"]
 
@@ -41,6 +43,7 @@ def install(cluster=None) -> None:
     """
     collectives.install_keras_gradient_hooks()
     xla.install_keras_hooks()
+    randomness.install_keras_hooks()
     if cluster is not None and cluster.is_multi_worker:
         chief_writes.activate(cluster)
         consensus.install()
@@ -50,7 +53,7 @@ def uninstall() -> int:
     """Puts back every Keras and TensorFlow attribute tfdp replaced; returns how many.
 
     Strategies built before keep their own state but lose tfdp's Keras behaviour (reduction
-    before clipping, the XLA step, the chief writing): build a new strategy to install again.
+    before clipping, the XLA step, per-replica draws, the chief writing): build a new strategy to install again.
     """
     chief_writes.deactivate()
     return _tf_private.restore_patches()

@@ -13,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 
 __all__ = ["COMMUNICATIONS", "COMPRESSIONS", "DEFAULT_BUCKET_BYTES",
-           "DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS", "StrategyOptions", "resolve_options",
+           "DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS", "RANDOM_DRAWS", "StrategyOptions", "resolve_options",
            "resolve_communication", "check_compression", "describe_shared_gpu",
            "jit_compile_error"]
 
 COMMUNICATIONS = ("auto", "nccl", "ring")
 COMPRESSIONS = (None, "fp16", "bf16")
+RANDOM_DRAWS = ("as_one_device", "independent")  # randomness.py states what each means
 DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
 # A step waits at most this long for its peers when there are several workers. Long enough
 # for a chief writing a checkpoint or a slow first trace, short enough that a hung peer ends
@@ -36,16 +37,19 @@ class StrategyOptions:
         bucket_bytes: gradient bucket size in bytes (0: one collective per tensor).
         compression: ``None``, ``"fp16"`` or ``"bf16"``.
         timeout_seconds: the per-step deadline, or None for none.
+        random_draws: ``"as_one_device"`` or ``"independent"`` (tfdp/strategy/randomness.py).
     """
 
     communication: str = "auto"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     compression: str | None = None
     timeout_seconds: float | None = None
+    random_draws: str = "as_one_device"
 
 
 def resolve_options(*, communication="auto", bucket_bytes=None, compression=None,
-                    timeout_seconds=None, multi_worker=False) -> StrategyOptions:
+                    timeout_seconds=None, random_draws="as_one_device",
+                    multi_worker=False) -> StrategyOptions:
     """Checks the constructor's arguments and fills in the defaults.
 
     Args:
@@ -54,6 +58,7 @@ def resolve_options(*, communication="auto", bucket_bytes=None, compression=None
         compression: ``None``, ``"fp16"`` or ``"bf16"``.
         timeout_seconds: positive, or None: ``DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS`` with
             several workers, no deadline in one process.
+        random_draws: ``"as_one_device"`` or ``"independent"``.
         multi_worker: the job has several workers.
 
     Raises:
@@ -75,7 +80,13 @@ def resolve_options(*, communication="auto", bucket_bytes=None, compression=None
         raise ValueError(f"timeout_seconds={timeout_seconds!r} must be positive or None.")
     if timeout_seconds is None and multi_worker:
         timeout_seconds = DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS
-    return StrategyOptions(communication, bucket_bytes, compression, timeout_seconds)
+    if random_draws not in RANDOM_DRAWS:
+        raise ValueError(
+            f"random_draws={random_draws!r} is not one of {RANDOM_DRAWS}: 'as_one_device' gives "
+            "each replica the draws one device makes for its rows of the global batch, "
+            "'independent' folds the replica into the seed (cheaper, not one device's draws).")
+    return StrategyOptions(communication, bucket_bytes, compression, timeout_seconds,
+                           random_draws)
 
 
 def resolve_communication(requested: str, device_type: str, shared=None) -> str:
