@@ -366,6 +366,7 @@ def test_collective_ops_patch_times_every_collective_of_a_step():
     from helpers import cpu_devices
     from tfdp.strategy import collectives
     from tfdp.resilience import stragglers
+    from tfdp.strategy import timing
 
     strategy = tfdp.DataParallelStrategy(devices=cpu_devices(2))
 
@@ -375,19 +376,19 @@ def test_collective_ops_patch_times_every_collective_of_a_step():
         scattered = collectives.reduce_scatter(tf.ones([2, 3]))
         return total, gathered, scattered
 
-    stragglers.install_collective_timing()
+    timing.install_collective_timing()
     for name in _tf_private.COLLECTIVE_OP_FUNCTIONS:
         assert getattr(_tf_private._collective_ops, name)._tfdp_patch, name
-    before = stragglers.collectives_executed()
+    before = timing.collectives_executed()
     tf.function(lambda: strategy.run(replica))()  # traced with no timer listening
-    assert stragglers.collectives_executed() == before  # guard: nothing timed then
+    assert timing.collectives_executed() == before  # guard: nothing timed then
     timer = stragglers.StepTimer()
     timer.listen()
     try:
         tf.function(lambda: strategy.run(replica))()
     finally:
         timer.stop()
-    assert stragglers.collectives_executed() - before == 3 * 2
+    assert timing.collectives_executed() - before == 3 * 2
     means, _ = timer.window()  # no step closed: nothing averaged, waits were recorded
     assert means == [0.0] * 5 and len(timer._waits) == 6  # noqa: SLF001
 
@@ -415,7 +416,7 @@ def test_autograph_user_function_converts_beneath_do_not_convert():
 # --- the package by area and its patch registry (issue 31 item 2) ---------------------------
 
 AREAS = ("core", "distribute", "data", "coordination", "keras_trainer", "keras_optimizer",
-         "keras_saving")
+         "keras_random", "keras_saving")
 
 
 def _python(code: str) -> str:

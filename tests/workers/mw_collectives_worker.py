@@ -4,7 +4,8 @@ Trains the small MLP on 2 workers through tfdp.data in one process: with Adam an
 ShardedOptimizer(Adam), each plain and with tfdp.callbacks.BackupAndRestore(check_every=1), and
 with Adam in a model whose train_step is Keras's called through an override (so tfdp leaves its
 logs to Keras's own per-step all-reduce), counting the collectives each step runs
-(tfdp.resilience.stragglers times every collective; its count is read after every step).
+(tfdp.strategy.timing times every collective while a StepTimer listens; its count is read
+after every step).
 ShardedOptimizer reduces its gradients its own way, so there the stop flag needs its own
 all-reduce: the guard that the count sees one. Prints one line "COUNTS <json>" on the chief:
 per-step counts of every fit, whether the stop flag rode in the gradient reduction, and the
@@ -22,22 +23,23 @@ import tensorflow as tf  # noqa: E402
 
 import tfdp  # noqa: E402
 from tfdp.resilience import stragglers  # noqa: E402
+from tfdp.strategy import timing  # noqa: E402
 
 from helpers import classification_data, initial_weights, mlp  # noqa: E402
 
 strategy = tfdp.DataParallelStrategy()
 timer = stragglers.StepTimer()
-stragglers.install_collective_timing()
+timing.install_collective_timing()
 timer.listen()  # every step traced from now on counts its collectives
 x, y = classification_data(n=240)
 
 
 class Count(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
-        self.counts, self.last, self.losses = [], stragglers.collectives_executed(), []
+        self.counts, self.last, self.losses = [], timing.collectives_executed(), []
 
     def on_train_batch_end(self, batch, logs=None):
-        now = stragglers.collectives_executed()
+        now = timing.collectives_executed()
         self.counts.append(now - self.last)
         self.last = now
         self.losses.append(float(logs["loss"]))

@@ -21,7 +21,7 @@ from tfdp.callbacks.chief import cluster_of, write_path
 from tfdp.callbacks.dataset_epoch import prepare_next_epoch
 from tfdp.protocol import EXIT_PREEMPTED, restart_requested_exit_code
 from tfdp.resilience import backups, elastic
-from tfdp.resilience.agreement import Agreement
+from tfdp.strategy.agreement import Agreement
 from tfdp.resilience.preemption import PreemptionWatcher, StopAgreement
 
 __all__ = ["BackupAndRestore", "Preempted", "RestartRequested"]

@@ -15,7 +15,8 @@ import keras
 from tfdp.callbacks import _running
 from tfdp.callbacks.chief import cluster_of
 from tfdp.resilience import elastic, stragglers
-from tfdp.resilience.agreement import Agreement
+from tfdp.strategy import timing
+from tfdp.strategy.agreement import Agreement
 
 __all__ = ["StragglerMonitor"]
 
@@ -173,12 +174,12 @@ class StragglerMonitor(keras.callbacks.Callback):
     # --- the hooks: added per model instance only while the monitor is in use ----------------
     def _install_hooks(self):
         model, timer = self.model, self._timer
-        stragglers.install_collective_timing()
+        timing.install_collective_timing()
         timer.listen()
         original_step = model.train_step
 
         def train_step(data):
-            stragglers.mark_batch_in_hand(data)
+            timing.mark_batch_in_hand(data)
             return original_step(data)
 
         # It only observes: tfdp's own train steps (which do not call model.train_step) stamp

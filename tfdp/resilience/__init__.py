@@ -2,7 +2,6 @@
 
 * ``tfdp.resilience.backups``: atomic step-numbered backups on any filesystem
   ``tf.io.gfile`` reaches (``BackupStore``), the resume position, update boundaries.
-* ``tfdp.resilience.agreement``: every worker learns the same small vector (``Agreement``).
 * ``tfdp.resilience.preemption``: SIGTERM as a flag with a backstop (``PreemptionWatcher``),
   all workers stopping at the same step (``StopAgreement``).
 * ``tfdp.resilience.stragglers``: which worker the others wait for (``StepTimer``,
@@ -12,12 +11,13 @@
 
 Everything that decides (``resume_position``, ``should_back_up``, ``find_stragglers``,
 ``membership_allows_eviction``, ``elastic_batch_size``) is a pure function. Every name is
-importable from ``tfdp.resilience`` as in earlier releases. Importing this package does not
+importable from ``tfdp.resilience`` as in earlier releases (``Agreement``, every worker
+learning the same small vector, is the strategy's: ``tfdp.strategy.agreement``). Importing this package does not
 import TensorFlow (the backstop and the pure functions work without it).
 """
 
 from tfdp.protocol import DEFAULT_GRACE_SECONDS
-from tfdp.resilience.agreement import Agreement
+from tfdp.strategy.agreement import Agreement
 from tfdp.resilience.backups import (BackupStore, Position, is_update_boundary, resume_position,
                                      should_back_up)
 from tfdp.resilience.elastic import (elastic_batch_size, mark_progress,

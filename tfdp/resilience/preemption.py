@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from tfdp.protocol import DEFAULT_GRACE_SECONDS, EXIT_PREEMPTED, GRACE_ENV
-from tfdp.resilience.agreement import Agreement
+from tfdp.strategy.agreement import Agreement
 
 __all__ = ["PreemptionWatcher", "StopAgreement", "DEFAULT_GRACE_SECONDS"]
 

@@ -7,8 +7,8 @@ Rules:
   and all-gather, the agreements between steps) ends only when the last worker has arrived.
   While a ``StepTimer`` listens, each collective traced into a step is timed on its worker:
   a graph timestamp when its input is ready and one when its result is, handed to the host
-  by one ``tf.numpy_function`` off the critical path (``install_collective_timing``).
-  Agreements run from the host report their own interval (``note_wait``).
+  by one ``tf.numpy_function`` off the critical path (``tfdp.strategy.timing``, which this
+  module's ``StepTimer`` listens to). Agreements run from the host report their own interval.
 * **Own time** = wall time per step minus the union of this worker's waits. The worker the
   others wait for has a long own time wherever its time goes (its compute, its input
   pipeline, Python and callbacks between steps, garbage collection, a stopped process); the
@@ -32,9 +32,9 @@ import threading
 import time
 from typing import Sequence
 
-__all__ = ["find_stragglers", "StepSplit", "split_step", "StepTimer", "note_wait",
-           "install_collective_timing", "mark_batch_in_hand", "collectives_executed",
-           "SPLIT_FIELDS"]
+from tfdp.strategy import timing
+
+__all__ = ["find_stragglers", "StepSplit", "split_step", "StepTimer", "SPLIT_FIELDS"]
 
 # Per step and worker, in this order in the gathered vector and the history.
 SPLIT_FIELDS = ("compute", "step", "input", "host", "wait")
@@ -129,110 +129,6 @@ def split_step(start: float, call_start: float, batch_ready: float | None, call_
                      input=ms * got_input, host=ms * host, wait=ms * _covered(merged, start, end))
 
 
-# --- what the graph and the host report ------------------------------------------------------
-
-_listeners: list = []
-_listeners_lock = threading.Lock()
-
-
-def _record_wait(start, end):
-    for timer in list(_listeners):
-        timer.add_wait(float(start), float(end))
-
-
-def _record_batch(stamp):
-    for timer in list(_listeners):
-        timer.add_batch(float(stamp))
-
-
-_executed = [0]
-
-
-def _record_collective(start, end):
-    _executed[0] += 1  # numpy_function calls hold the GIL
-    _record_wait(start, end)
-
-
-def collectives_executed() -> int:
-    """How many timed collectives this process has run (each local replica's count): those
-    of steps traced while a ``StepTimer`` listened. Tests count a step's collectives with it."""
-    return _executed[0]
-
-
-def note_wait(start: float, end: float) -> None:
-    """Records that this worker waited for the others from ``start`` to ``end`` (wall clock,
-    seconds), e.g. in an agreement run from the host. A no-op unless a ``StepTimer`` listens."""
-    _record_wait(start, end)
-
-
-def _independent(tensor_or_op):
-    """Keeps a timing op out of tf.function's program-order chain (which would deadlock
-    replicas of one worker: ``_tf_private.run_independently``); returns it."""
-    from tfdp import _tf_private
-
-    _tf_private.run_independently(getattr(tensor_or_op, "op", tensor_or_op))
-    return tensor_or_op
-
-
-def _stamp():
-    import tensorflow as tf
-
-    return _independent(tf.timestamp())
-
-
-def _host_call(fn, stamps):
-    import tensorflow as tf
-
-    # With no outputs, numpy_function returns its op.
-    _independent(tf.numpy_function(lambda *values: fn(*values) or (), stamps, [],
-                                   stateful=True, name="tfdp_step_timing"))
-
-
-def _timed(original):
-    """A TensorFlow collective-op function that also times the collective (see the rules)."""
-    import tensorflow as tf
-
-    from tfdp import _tf_private
-
-    def collective(t, *args, **kwargs):
-        if (not _listeners or tf.executing_eagerly()
-                or _tf_private.in_xla_context(tf.compat.v1.get_default_graph())):
-            return original(t, *args, **kwargs)
-        with tf.device("/device:CPU:0"):  # merged with the collective's job and task
-            with tf.control_dependencies([t]):
-                start = _stamp()
-        with tf.control_dependencies([start]):
-            t = tf.identity(t)
-        out = original(t, *args, **kwargs)
-        with tf.device("/device:CPU:0"):
-            with tf.control_dependencies([out]):
-                done = _stamp()
-            _host_call(_record_collective, [start, done])
-        return out
-
-    return collective
-
-
-def install_collective_timing() -> None:
-    """Times every collective traced while a ``StepTimer`` listens (once per process)."""
-    from tfdp import _tf_private
-
-    _tf_private.patch_collective_ops(_timed)
-
-
-def mark_batch_in_hand(data):
-    """In a train step: records when the replica's batch ``data`` is ready (for ``input``)."""
-    import tensorflow as tf
-
-    tensors = [t for t in tf.nest.flatten(data) if isinstance(t, tf.Tensor)]
-    if not _listeners or not tensors or tf.executing_eagerly():
-        return
-    with tf.device("/device:CPU:0"):
-        with tf.control_dependencies(tensors):
-            stamp = _stamp()
-        _host_call(_record_batch, [stamp])
-
-
 # --- one worker's timeline -------------------------------------------------------------------
 
 class StepTimer:
@@ -258,14 +154,10 @@ class StepTimer:
         self._splits: list[StepSplit] = []
 
     def listen(self):
-        with _listeners_lock:
-            if self not in _listeners:
-                _listeners.append(self)
+        timing.listen(self)
 
     def stop(self):
-        with _listeners_lock:
-            if self in _listeners:
-                _listeners.remove(self)
+        timing.stop_listening(self)
 
     def add_wait(self, start: float, end: float):
         with self._lock:

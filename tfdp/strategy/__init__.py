@@ -7,14 +7,18 @@
 * ``collectives``: bucketed, compressed all-reduce, reduce-scatter, all-gather, riders.
 * ``xla``: the compiled per-replica step under the strategy.
 * ``deadline``: the per-step deadline that turns a missing peer into an error.
+* ``agreement``: every worker learns the same small vector (one all-reduce, under the deadline).
+* ``timing``: when a step's collectives wait and its batch is in hand (for the straggler
+  monitor), a no-op unless something listens.
+* ``randomness``: each replica draws what one device draws for its rows of the global batch.
 * ``lifecycle``: the worker's side of the launcher protocol (ready files, SIGTERM, leaving
   together at exit).
 * ``keras_integration``: the one entry that installs (and uninstalls) tfdp's Keras patches.
 * ``chief_writes``, ``consensus``: what those patches do for stock Keras saving, callbacks and
   decisions on several workers.
 
-Importing this package does not import TensorFlow (``tfdp.resilience`` uses ``deadline``
-without it); ``DataParallelStrategy`` loads on first use.
+Importing this package does not import TensorFlow (``tfdp.resilience`` uses ``deadline``,
+``agreement`` and ``timing`` without it); ``DataParallelStrategy`` loads on first use.
 """
 
 import importlib as _importlib

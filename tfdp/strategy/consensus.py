@@ -76,7 +76,7 @@ def _multi_worker_tfdp(strategy) -> bool:
 
 
 def _agreement(strategy):
-    from tfdp.resilience import Agreement
+    from tfdp.strategy.agreement import Agreement
 
     agreement = _agreements.get(strategy)
     if agreement is None:

@@ -222,14 +222,14 @@ class _OrderlyExit:
             self._cluster = self._timeout = self._exit_code = None
 
     def _on_exit(self):
-        from tfdp import _tf_private
-
         # An uncaught exception sets sys.last_value before atexit handlers run.
         failing = getattr(sys, "last_value", None) is not None
         if not leave_together_at_exit(failing, self._exit_code):
             return
         cluster = self._cluster
         try:
+            from tfdp import _tf_private  # inside: an exit handler must not raise
+
             if not _tf_private.coordination_service_configured():
                 return
             _tf_private.wait_at_coordination_barrier(_EXIT_BARRIER_ID, self._timeout)

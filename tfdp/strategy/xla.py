@@ -38,7 +38,7 @@ import keras
 import tensorflow as tf
 
 from tfdp import _tf_private
-from tfdp.strategy import collectives, deadline, is_data_parallel
+from tfdp.strategy import collectives, deadline, is_data_parallel, timing
 
 __all__ = ["compile_gradients", "CompiledGradients", "compiled_train_step",
            "resolve_auto_jit_compile", "step_plan", "rides_metrics", "install_keras_hooks",
@@ -355,9 +355,7 @@ def _keras_step(model, name) -> bool:
 
 def _observe_batch(data):
     # What StragglerMonitor's (transparent) train_step wrapper does; a no-op unless it listens.
-    from tfdp.resilience import stragglers
-
-    stragglers.mark_batch_in_hand(data)
+    timing.mark_batch_in_hand(data)
 
 
 _warned = set()

@@ -5,8 +5,8 @@ Rule. Each worker contributes its vector once (from its first local replica) to 
 chief's backup choice, the stop flag where no gradient reduction carries it
 (``tfdp.resilience.preemption``) and the straggler monitor's window timings. One worker needs no
 collective. The time a worker spends in ``sum`` is time waiting for the others: it is reported
-to the straggler timing (``tfdp.resilience.stragglers.note_wait``). Each sum runs under the
-strategy's step deadline (``tfdp.deadline``), so a worker that never comes fails it, not hangs it.
+to the step timing (``tfdp.strategy.timing.note_wait``). Each sum runs under the
+strategy's step deadline (``tfdp.strategy.deadline``), so a worker that never comes fails it, not hangs it.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from tfdp.strategy import deadline
-from tfdp.resilience import stragglers
+from tfdp.strategy import deadline, timing
 
 __all__ = ["Agreement"]
 
@@ -49,7 +48,7 @@ class Agreement:
             result = self._fn(tf.constant(list(values), tf.float64))
         local = self.strategy.experimental_local_results(result)[0]
         summed = [float(v) for v in local.numpy()]
-        stragglers.note_wait(start, time.time())
+        timing.note_wait(start, time.time())
         return summed
 
 
