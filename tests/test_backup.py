@@ -46,7 +46,9 @@ def optimizer(kind, accumulation=None):
 
 
 def fit(backup_dir, replicas=4, kind="adam", crash_after=None, save_freq=4, shuffle=True,
-        accumulation=None, tfdp_input=True, **backup_kwargs):
+        accumulation=None, tfdp_input=True, validation=None, name_dataset=True, **backup_kwargs):
+    """``validation``: None, or "before"/"after": a tfdp.data validation pipeline created
+    before or after the training one and given to fit; ``name_dataset``: pass dataset=."""
     x, y = classification_data(n=N)
     strategy = tfdp.DataParallelStrategy(devices=cpu_devices(replicas))
     with strategy.scope():
@@ -55,20 +57,28 @@ def fit(backup_dir, replicas=4, kind="adam", crash_after=None, save_freq=4, shuf
         model.compile(optimizer=optimizer(kind, accumulation),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     source = tf.data.Dataset.from_tensor_slices((x, y))
+    val_source = tf.data.Dataset.from_tensor_slices((x[:64], y[:64]))
+    val = None
+    if validation == "before":
+        val = tfdp.data.distribute(strategy, val_source, GLOBAL_BATCH)
     if tfdp_input:
         train = tfdp.data.distribute(strategy, source, GLOBAL_BATCH,
                                      shuffle_buffer=N if shuffle else None, seed=3)
     else:
         train = source.batch(GLOBAL_BATCH)
+    if validation == "after":
+        val = tfdp.data.distribute(strategy, val_source, GLOBAL_BATCH)
     steps = Steps(crash_after)
     callbacks = [steps]
     if backup_dir is None and tfdp_input:
         callbacks.append(tfdp.callbacks.DatasetEpoch(train))  # epoch e's order = f(seed, e)
     if backup_dir is not None:
         callbacks.insert(0, tfdp.callbacks.BackupAndRestore(
-            backup_dir, save_freq=save_freq, dataset=train if tfdp_input else None, **backup_kwargs))
+            backup_dir, save_freq=save_freq,
+            dataset=train if tfdp_input and name_dataset else None, **backup_kwargs))
     try:
-        model.fit(train, epochs=EPOCHS, verbose=0, callbacks=callbacks, shuffle=False)
+        model.fit(train, epochs=EPOCHS, verbose=0, callbacks=callbacks, shuffle=False,
+                  validation_data=val)
     except Crash:
         return None, steps.iterations
     return model.get_weights(), steps.iterations
@@ -147,13 +157,46 @@ def test_backups_wait_for_the_update_boundary_with_accumulation(tmp_path):
     assert_close(got, want)
 
 
+@pytest.mark.parametrize("validation", ["after", "before"])
+def test_resume_positions_the_dataset_fit_trains_on_not_the_validation_set(tmp_path, validation):
+    # The usual script: a training and a validation pipeline, no dataset= for the callback.
+    # It positions fit's x whatever was created last (it used to position the newest
+    # distribute() result: with the validation set made after, 0.146 away from uninterrupted).
+    want, ran = uninterrupted(validation=validation, name_dataset=False)
+    assert ran == list(range(1, 19))
+    fit(tmp_path, validation=validation, name_dataset=False, crash_after=10)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, second = fit(tmp_path, validation=validation, name_dataset=False)
+    assert not [w for w in caught if "tfdp" in str(w.message)]
+    assert second == list(range(9, 19))
+    assert_close(got, want)
+
+
+def test_guard_positioning_the_validation_set_instead_is_not_exact(tmp_path):
+    # What the old default did with the validation set made after the training set.
+    want, _ = uninterrupted(validation="after", name_dataset=False)
+    fit(tmp_path, validation="after", name_dataset=False, crash_after=10)
+    from tfdp.strategy import keras_integration
+
+    original = keras_integration.fit_input
+    keras_integration.fit_input = lambda model: (tfdp.data.latest_distributed(),)
+    try:
+        with pytest.raises(RuntimeError, match="fit does not train on it"):
+            fit(tmp_path, validation="after", name_dataset=False)
+    finally:
+        keras_integration.fit_input = original
+    assert want is not None
+
+
 def test_guard_a_resume_without_positioning_redoes_steps_and_says_so(tmp_path):
     want, _ = uninterrupted(tfdp_input=False, shuffle=False)
     fit(tmp_path, tfdp_input=False, crash_after=10)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got, second = fit(tmp_path, tfdp_input=False)
-    assert any("trained a second time" in str(w.message) for w in caught)
+    assert any("trained a second time" in str(w.message) and "the x of model.fit" in str(w.message)
+               for w in caught)
     assert second[0] == 9 and len(second) == 12  # epoch 1 again from its first batch
     with pytest.raises(AssertionError):
         assert_close(got, want)  # the redone steps change the result: the check can fail

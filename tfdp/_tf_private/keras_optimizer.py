@@ -10,6 +10,8 @@ says why no public API serves; tests/test_tf_private.py pins them.
 
 from __future__ import annotations
 
+import keras
+
 from tfdp._tf_private.core import _get, _patch, require_attributes
 
 # Why: Keras 3 reduces gradients only inside the TensorFlow optimizer backend, *after*
@@ -85,6 +87,72 @@ def moving_averages(optimizer) -> list:
     """The EMA copies of ``use_ema=True``, one per model variable (None where not averaged).
     Why: no public getter."""
     return _get(optimizer, "_model_variables_moving_average", "EMA copies")
+
+
+# --- What ShardedOptimizer needs to know about a wrapped optimizer (sharded.py, sharded_state.py)
+
+# Why: ShardedOptimizer drives the wrapped optimizer through update_step, one owned variable
+# at a time. A class that replaces one of these whole-step methods works on all variables at
+# once (or sends them elsewhere: MultiOptimizer's apply dispatches to sub-optimizers), which
+# cannot be split by owner. Keras documents none of them as overridable; only comparing the
+# class's methods with Keras's tells.
+WHOLE_STEP_METHODS = ("apply", "apply_gradients", "_backend_apply_gradients",
+                      "_backend_update_step")
+require_attributes(TFOptimizer, WHOLE_STEP_METHODS, "the steps ShardedOptimizer replaces")
+
+
+def overridden_step_methods(optimizer) -> list:
+    """The names of ``WHOLE_STEP_METHODS`` the optimizer's class defines anew."""
+    base = keras.optimizers.Optimizer
+    return [name for name in WHOLE_STEP_METHODS
+            if getattr(type(optimizer), name) is not getattr(base, name)]
+
+
+# Why: Keras's Nadam advances a running product (``_u_product``, one scalar for all variables)
+# once per update in _backend_update_step, then runs Keras's per-variable loop. ShardedOptimizer
+# calls update_step itself, so the product would stay 1.0 and every update divide by zero (NaN,
+# measured). Run with no variables, that method does exactly the once-per-update part. No
+# public hook advances it.
+SHARED_STATE_STEPS = (keras.optimizers.Nadam._backend_update_step,)
+
+
+def advances_shared_state(optimizer) -> bool:
+    """True when the class's _backend_update_step only advances state shared by all
+    variables once per update before Keras's per-variable loop (Keras's Nadam)."""
+    return type(optimizer)._backend_update_step in SHARED_STATE_STEPS
+
+
+def advance_shared_state(optimizer, learning_rate) -> None:
+    """Runs the once-per-update part of such an optimizer's step (no variables updated)."""
+    optimizer._backend_update_step([], [], learning_rate)  # noqa: SLF001
+
+
+def optimizer_state_lists(optimizer) -> dict:
+    """The optimizer's list attributes by name, but for Keras's own ``_variables`` and
+    ``_trainable_variables``.
+
+    Why: Keras optimizers keep per-variable state in lists indexed like the variables they
+    were built with (update_step reads ``self._r[self._get_variable_index(variable)]``); that
+    position is the only record of which model variable a state variable made by
+    ``add_variable`` (Adafactor's factored moments) belongs to. No public API lists them.
+    """
+    skip = {"_variables", "_trainable_variables"}
+    return {name: value for name, value in vars(optimizer).items()
+            if isinstance(value, (list, tuple)) and name not in skip
+            and not name.startswith("_self_")}
+
+
+def replace_variable_storage(variable, storage) -> None:
+    """Makes the Keras ``variable`` read and write the tf.Variable ``storage`` from now on.
+
+    Why: ShardedOptimizer moves state the wrapped optimizer made with ``add_variable`` (on
+    every replica) to its owner's device. The optimizer holds the Keras variable in its own
+    lists, attributes and ``_variables``; replacing what the variable wraps moves it without
+    touching those. Keras's TensorFlow Variable keeps it in ``_value`` (its ``_initialize``
+    takes a tf.Variable the same way); no public API re-homes a variable.
+    """
+    _get(variable, "_value", "the tf.Variable a Keras variable wraps")
+    variable._value = storage  # noqa: SLF001
 
 
 # --- Per-variable bookkeeping (sharded.py, _layerwise.py) ----------------------------------

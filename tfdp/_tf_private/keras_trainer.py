@@ -132,3 +132,16 @@ def set_keras_initial_epoch(model, epoch: int) -> None:
     """
     _get(model, "_initial_epoch", "resuming at an epoch")  # set by Keras's Trainer.__init__
     model._initial_epoch = int(epoch)  # noqa: SLF001
+
+
+# --- fit's input (tfdp/strategy/keras_integration.py) -------------------------------------
+
+def patch_keras_fit(make) -> None:
+    """Class patch of ``TensorFlowTrainer.fit`` (a public method, defined on this private class).
+
+    Why: a callback never sees the ``x`` of the ``fit`` call it runs in (Keras hands the data
+    to its epoch iterator only), and tfdp's BackupAndRestore must position exactly that
+    dataset, not a validation or test pipeline built beside it.
+    """
+    _, tf_trainer = _keras_trainer_classes()
+    _patch(tf_trainer, "fit", make, "knowing the dataset fit trains on")

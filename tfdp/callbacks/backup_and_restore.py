@@ -16,6 +16,7 @@ import warnings
 import keras
 
 from tfdp import _tf_private
+from tfdp.strategy import keras_integration
 from tfdp.callbacks import _running
 from tfdp.callbacks.chief import cluster_of, write_path
 from tfdp.callbacks.dataset_epoch import prepare_next_epoch
@@ -63,12 +64,14 @@ def _accumulation_steps(optimizer) -> int:
     return 1
 
 
-def _training_dataset(explicit):
+def _training_dataset(explicit, model):
+    """``(the dataset to position, how to name it)``: ``dataset=`` if given, else the ``x`` of
+    the running ``fit`` (never another pipeline, such as a validation set built later)."""
     if explicit is not None:
-        return explicit
-    from tfdp import data as tfdp_data
-
-    return tfdp_data.latest_distributed()
+        return explicit, "the dataset given as dataset="
+    running = keras_integration.fit_input(model)
+    x = running[0] if running else None
+    return x, f"the x of model.fit (a {type(x).__name__})"
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -112,8 +115,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         double_checkpoint: keep the previous backup as well as the newest.
         delete_checkpoint: delete the backups when training ends successfully.
         strategy: the strategy (default: the model's).
-        dataset: the ``tfdp.data.distribute`` result that ``fit`` trains on (default: the
-            most recently created one).
+        dataset: the ``tfdp.data.distribute`` result to position (default: the ``x`` of the
+            ``fit`` call this callback runs in, never a validation or test pipeline; give it
+            for a dataset ``fit`` does not receive directly).
         grace_seconds: preemption grace period (default: ``TFDP_GRACE_SECONDS`` set by
             tfdp-run's ``--grace-period``, else ``tfdp.protocol.DEFAULT_GRACE_SECONDS``).
         check_every: steps between stop agreements of their own across workers (one scalar
@@ -142,7 +146,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.check_every = check_every
         self._strategy = strategy
         self._dataset = dataset
-        self._data = None
+        self._data, self._data_name = None, None
+        keras_integration.install_fit_input()  # before fit runs: the callback exists first
         self._watcher = None
         self._restart_request = None
         self.restored_step = None  # global step of the backup this run resumed from
@@ -181,7 +186,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._store = backups.BackupStore(self.backup_dir, keep=2 if self.double_checkpoint else 1)
         self._private_dir = None if self._chief else os.path.dirname(write_path(self.backup_dir, strategy))
         self._k = _accumulation_steps(self.model.optimizer)
-        self._data = _training_dataset(self._dataset)
+        self._data, self._data_name = _training_dataset(self._dataset, self.model)
         self._global_step = 0
         self._last_backup = 0
         self._resume = None
@@ -201,7 +206,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         offset = 0
         if self._resume is not None and epoch == self._resume.epoch:
             offset = self._resume.step
-        why_not = "the training input is not a tfdp.data.distribute dataset"
+        why_not = f"{self._data_name} is not a tfdp.data.distribute dataset"
         positioned = False
         if self._data is not None and hasattr(self._data, "set_position"):
             try:
@@ -227,8 +232,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             if length is not None and not _tf_private.set_keras_epoch_length(
                     self._data, length - offset):
                 raise RuntimeError(
-                    "tfdp BackupAndRestore: could not find Keras's epoch iterator over the dataset "
-                    "given as dataset=; pass the dataset model.fit trains on.")
+                    f"tfdp BackupAndRestore: could not find Keras's epoch iterator over "
+                    f"{self._data_name}: fit does not train on it. Pass the dataset model.fit "
+                    "trains on as dataset=, or none.")
 
     def on_train_batch_end(self, batch, logs=None):
         done = self._offset + batch + 1

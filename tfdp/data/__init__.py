@@ -7,8 +7,8 @@ each module states its own rule:
 
 * ``sources``: ``Files``, ``Service`` and what ``distribute`` accepts;
 * ``policy``: the pure sharding policy (``choose_shard_policy``, ``steps_per_epoch``,
-  ``per_replica_batch_size``, ``resume_is_exact``);
-* ``graph``: reading a dataset's graph (files, FILE sharding, batching);
+  ``per_replica_batch_size``, ``resume_is_exact``, ``unseeded_random_action``);
+* ``graph``: reading a dataset's graph (files, FILE sharding, batching, unseeded shuffles);
 * ``records``: the record-count index and TFRecord writing;
 * ``position``: epoch and position state;
 * ``service``: the tf.data service;

@@ -17,6 +17,7 @@ import weakref
 import tensorflow as tf
 
 from tfdp import _tf_private
+from tfdp.strategy import randomness
 from tfdp.data import pipeline, service as service_lib
 from tfdp.data.errors import DataShardingError, log_once
 from tfdp.data.plan import make_plan, service_plan
@@ -43,7 +44,8 @@ def distribute(strategy, dataset_or_fn, global_batch_size, shard_policy="auto", 
         shard_policy: ``"auto"``, ``"file"``, ``"data"`` or ``"off"`` (docs/data.md).
         shuffle_buffer: shuffle elements with this buffer (None: no shuffling); the order
             is the same on every worker and changes every epoch (``set_epoch``).
-        seed: the shuffle seed, shared by all workers.
+        seed: the shuffle seed, shared by all workers; under DATA sharding across workers it
+            also seeds the source's own unseeded shuffles (docs/data.md, "Unseeded shuffles").
         drop_remainder: drop the last partial global batch. Without it the final step is
             smaller and may give some replicas an empty batch.
         prefetch: ``prefetch(AUTOTUNE)`` per replica.
@@ -60,9 +62,9 @@ def distribute(strategy, dataset_or_fn, global_batch_size, shard_policy="auto", 
         dict: policy, workers, replicas, batch, seed, shuffle, steps per epoch, ...).
 
     Raises:
-        DataShardingError: the batch does not divide over the replicas, too few files for
-            FILE sharding, a source that cannot be sharded or batched the requested way, an
-            unreachable service. Raised on every worker before any collective starts.
+        DataShardingError: the batch does not divide over the replicas, too few files for FILE
+            sharding, a source tfdp cannot shard, batch or seed as needed, an unreachable
+            service. Raised on every worker before any collective starts.
 
     Example:
 
@@ -77,7 +79,7 @@ def distribute(strategy, dataset_or_fn, global_batch_size, shard_policy="auto", 
     _check_counts(num_examples, shuffle_buffer)
     if service is not None:
         service = normalise_service(service, source)
-    plan = _plan(source, shard_policy, service, layout, num_examples)
+    plan = _plan(source, shard_policy, service, layout, num_examples, seed)
     state = EpochState(seed, global_batch_size if plan.policy in ("data", "service")
                        else layout.local_replicas * layout.per_replica)
     shuffle_buffer = shuffle_buffer or None
@@ -104,9 +106,16 @@ def distribute(strategy, dataset_or_fn, global_batch_size, shard_policy="auto", 
     distributed.sharding_info = _sharding_info(
         plan, layout, seed=seed, shuffle_buffer=shuffle_buffer, drop_remainder=drop_remainder,
         steps=steps, counts=counts, service=service, job_name=job_name, agreement=agreement)
+    _remember(distributed, strategy, plan.policy, layout.num_workers)
+    return distributed
+
+
+def _remember(distributed, strategy, policy, num_workers):
+    """Notes the newest result, and tells the strategy how its elements are dealt to the
+    replicas (its random draws follow one device's rows: tfdp.strategy.randomness)."""
     global _latest
     _latest = weakref.ref(distributed)
-    return distributed
+    randomness.deal_rows(strategy, num_workers if policy == "data" else 1)
 
 
 def latest_distributed():
@@ -154,7 +163,7 @@ def _check_counts(num_examples, shuffle_buffer):
         raise DataShardingError(f"shuffle_buffer={shuffle_buffer!r} must be None or an integer >= 0.")
 
 
-def _plan(source, shard_policy, service, layout: _Layout, num_examples):
+def _plan(source, shard_policy, service, layout: _Layout, num_examples, seed):
     """The plan, the same on every worker; "auto" logs its choice once."""
     global_batch_size = layout.per_replica * layout.num_replicas
     if service is not None:
@@ -163,10 +172,10 @@ def _plan(source, shard_policy, service, layout: _Layout, num_examples):
                 f"shard_policy={shard_policy!r} with service=: the tf.data service assigns "
                 "elements to trainers itself (distributed_epoch); use shard_policy='auto'.")
         plan = service_plan(source, service, layout.num_workers, global_batch_size,
-                            layout.per_replica, num_examples)
+                            layout.per_replica, num_examples, seed)
     else:
         plan = make_plan(source, shard_policy, layout.num_workers, global_batch_size,
-                         layout.per_replica, num_examples)
+                         layout.per_replica, num_examples, seed)
     if shard_policy == "auto":
         log_once("tfdp.data: shard_policy='auto' chose %r: %s", plan.policy, plan.reason)
     return plan
@@ -221,6 +230,8 @@ def _sharding_info(plan, layout: _Layout, *, seed, shuffle_buffer, drop_remainde
         "service_job": job_name,
         # Whether the workers all-reduce "who still has data" at every step (module docstring).
         "end_of_data_agreement": agreement,
+        # The source's unseeded shuffles tfdp seeded with `seed` (plan.seed_unseeded).
+        "seeded_shuffles": list(plan.seeded),
     }
 
 

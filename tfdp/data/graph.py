@@ -15,6 +15,12 @@ Rules:
   per worker.
 * An outermost ``batch``/``map_and_batch`` of ``global_batch_size`` is undone (unbatch, then
   batch per replica); another size, ``padded_batch``, bucketing or ``rebatch`` are refused.
+* Random transformations (``shuffle``, ``Dataset.random``, ``sample_from_datasets``) whose
+  seeds are both 0 in the graph (TensorFlow's record of "no seed": no op seed and no global
+  seed) draw other seeds in every process. ``random_ops`` finds them, in the graph and in its
+  functions, in an order fixed by the graph's structure; ``with_seeds`` rebuilds the dataset
+  with them seeded from tfdp's ``seed`` (public ops only: ``DatasetToGraphV2``,
+  ``DatasetFromGraph``, ``from_variant``), so that every worker draws the same order.
 """
 
 from __future__ import annotations
@@ -277,6 +283,148 @@ def file_shard(dataset, num_shards, index):
         index=index, auto_shard_policy=int(tf.data.experimental.AutoShardPolicy.FILE),
         num_replicas=0, output_types=types, output_shapes=shapes)
     return tf.data.experimental.from_variant(variant, dataset.element_spec)
+
+
+# Random transformations: (the API that builds it, the input index of seed, of seed2, of its
+# seed-generator resource or None). ShuffleDatasetV2 keeps its seeds in a resource, not in the
+# graph; TensorFlow 2.21 builds V3 (V1 in TF1 graphs).
+RANDOM_OPS = {
+    "ShuffleDataset": ("shuffle", 2, 3, None),
+    "ShuffleDatasetV3": ("shuffle", 2, 3, 4),
+    "ShuffleAndRepeatDataset": ("shuffle_and_repeat", 2, 3, None),
+    "ShuffleAndRepeatDatasetV2": ("shuffle_and_repeat", 2, 3, 5),
+    "RandomDataset": ("Dataset.random/sample_from_datasets", 0, 1, None),
+    "RandomDatasetV2": ("Dataset.random/sample_from_datasets", 0, 1, 2),
+    "ExperimentalRandomDataset": ("Dataset.random/sample_from_datasets", 0, 1, None),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomOp:
+    """One random transformation in a dataset graph and the seeds it holds."""
+    op: str
+    node: str
+    function: str | None      # the graph function it is in (an interleave's, ...); None: top level
+    seeds: tuple              # (seed, seed2), each an int where it is a constant, else None
+    buffer_size: int | None = None
+
+    @property
+    def unseeded(self) -> bool:
+        """Both seeds 0: TensorFlow draws fresh seeds for it in every process."""
+        return self.seeds == (0, 0)
+
+    def describe(self) -> str:
+        api = RANDOM_OPS[self.op][0]
+        if api.startswith("shuffle"):
+            api = f"{api}({self.buffer_size if self.buffer_size is not None else '...'})"
+        return api + (f" inside the function {self.function}" if self.function else "")
+
+
+def _functions_named(attr):
+    kind = attr.WhichOneof("value")
+    if kind == "func":
+        return [attr.func.name]
+    return [f.name for f in attr.list.func] if kind == "list" else []
+
+
+def _graph_order(graph):
+    """([(scope, node)], {scope: {name: node}}): every node the output depends on, in an order
+    fixed by the graph's structure (inputs in order, then the functions its attributes name;
+    scope: the function a node is in, None at top level), never by names, which may differ
+    between processes that built the same pipeline."""
+    functions = {f.signature.name: f for f in graph.library.function}
+    scopes = {None: {n.name: n for n in graph.node}}
+    stack = [(None, next(n for n in graph.node if n.op == "_Retval"))]
+    seen, order = set(), []
+    while stack:
+        scope, node = stack.pop()
+        if (scope, node.name) in seen:
+            continue
+        seen.add((scope, node.name))
+        order.append((scope, node))
+        children = [(scope, scopes[scope][input_name(ref)]) for ref in node.input
+                    if input_name(ref) in scopes[scope]]
+        for key in sorted(node.attr):
+            for name in _functions_named(node.attr[key]):
+                fn = functions.get(name)
+                if fn is None:
+                    continue
+                body = scopes.setdefault(name, {n.name: n for n in fn.node_def})
+                children += [(name, body[input_name(fn.ret[arg.name])])
+                             for arg in fn.signature.output_arg
+                             if input_name(fn.ret[arg.name]) in body]
+        stack.extend(reversed(children))
+    return order, scopes
+
+
+def random_ops(graph) -> list:
+    """The ``RandomOp``s of a dataset graph, in ``_graph_order``'s order."""
+    order, scopes = _graph_order(graph)
+    found = []
+    for scope, node in order:
+        if node.op not in RANDOM_OPS:
+            continue
+        _, seed_at, seed2_at, _ = RANDOM_OPS[node.op]
+        seeds = tuple(None if v is None else int(v) for v in
+                      (const(node.input[seed_at], scopes[scope]),
+                       const(node.input[seed2_at], scopes[scope])))
+        size = const(node.input[1], scopes[scope]) if seed_at == 2 else None
+        found.append(RandomOp(node.op, node.name, scope, seeds,
+                              None if size is None else int(size)))
+    return found
+
+
+def _seed_op(nodes, op: RandomOp, seeds, k):
+    """Points ``op``'s seed inputs in ``nodes`` (a graph's or a function's) at new constants
+    ``seeds`` and its seed generator at a new dummy one."""
+    target = next(n for n in nodes if n.name == op.node)
+    _, seed_at, seed2_at, generator_at = RANDOM_OPS[op.op]
+    in_function = op.function is not None
+    for value, at, name in ((seeds[0], seed_at, f"tfdp_seed_{k}"),
+                            (seeds[1], seed2_at, f"tfdp_seed2_{k}")):
+        node = tf.compat.v1.NodeDef(name=name, op="Const")
+        node.attr["dtype"].type = tf.int64.as_datatype_enum
+        node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.int64(value)))
+        nodes.append(node)  # a copy: complete it first
+        target.input[at] = name + (":output:0" if in_function else "")
+    if generator_at is not None:
+        # The serialized seed generator is the original's resource (a constant handle), which
+        # keeps drawing from the original's random seeds; a dummy one makes the op create its
+        # own from the seeds above.
+        name = f"tfdp_seed_generator_{k}"
+        nodes.append(tf.compat.v1.NodeDef(name=name, op="DummySeedGenerator"))
+        target.input[generator_at] = name + (":handle:0" if in_function else "")
+
+
+def with_seeds(dataset, seed: int):
+    """``dataset`` rebuilt with its unseeded random transformations seeded: the k-th of them in
+    ``random_ops``' order gets seeds (``seed``, k + 1), the same on every worker that built the
+    same pipeline. Returns (the dataset, descriptions of what was seeded). Raises TensorFlow's
+    error where the graph cannot be rebuilt.
+
+    The rest of the graph is unchanged: a shuffle keeps its ``reshuffle_each_iteration`` (a new
+    order per iterator, the same on every worker, as ``shuffle(n, seed=S)``).
+    """
+    serialized = tf.raw_ops.DatasetToGraphV2(
+        input_dataset=tf.data.experimental.to_variant(dataset), external_state_policy=1,
+        strip_device_assignment=False)
+    graph = tf.compat.v1.GraphDef()
+    graph.ParseFromString(serialized.numpy())
+    # Devices cleared here rather than by strip_device_assignment, which leaves '/device::0'
+    # on a py_function's EagerPyFunc, which then fails to run (measured, TF 2.21).
+    for node in list(graph.node) + [n for f in graph.library.function for n in f.node_def]:
+        node.device = ""
+    unseeded = [op for op in random_ops(graph) if op.unseeded]
+    bodies = {f.signature.name: f.node_def for f in graph.library.function}
+    for k, op in enumerate(unseeded):
+        _seed_op(graph.node if op.function is None else bodies[op.function], op, (seed, k + 1), k)
+    variant = tf.raw_ops.DatasetFromGraph(graph_def=graph.SerializeToString())
+    rebuilt = tf.data.experimental.from_variant(variant, dataset.element_spec)
+    # Kept alive with it: the graph may name state the original's Python objects own (the
+    # callbacks of from_generator and py_function, resources). TensorFlow kept those callbacks
+    # registered after the original was collected (measured), but does not promise it.
+    rebuilt._tfdp_unseeded_source = dataset
+    return rebuilt, tuple(op.describe() for op in unseeded)
 
 
 def maybe_batched(spec) -> bool:

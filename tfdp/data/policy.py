@@ -12,6 +12,14 @@ Rules:
   elements [s*B, (s+1)*B) of the global order whatever the number of workers.
 * An epoch lasts while any worker has data (the others get empty batches); with
   ``drop_remainder`` only steps where every replica has a full batch count.
+* A random transformation in the source without a seed (``shuffle(n)``: TensorFlow draws its
+  seeds in every process) breaks DATA sharding across workers: each worker keeps elements
+  w, w+W, ... of its *own* order, so some elements are trained on twice and others never. tfdp
+  seeds them from its shared ``seed`` there (``unseeded_random_action``), and refuses naming the
+  fixes where it cannot (``unseeded_random_error``). Elsewhere they are safe and left alone: one
+  worker (a single pipeline split among its replicas), FILE sharding (a worker shuffles only its
+  own files), no sharding (every worker reads everything), a tf.data service (each split goes to
+  one service worker and each element to one trainer).
 * When every worker's element count is exact (TensorFlow's cardinality or the record-count
   index), every worker's pipeline is given exactly ``steps_per_epoch * L`` per-replica batches
   (cut, or padded with the empty batches TensorFlow's end-of-data agreement would substitute),
@@ -83,6 +91,53 @@ def choose_shard_policy(requested: str, num_workers: int, num_files: int | None,
         return "file", f"{num_files} files >= {num_workers} workers"
     return "data", (f"only {num_files} file(s) for {num_workers} workers: every worker reads "
                     f"all files and keeps 1/{num_workers} of the records")
+
+
+def unseeded_random_matters(policy: str, num_workers: int) -> bool:
+    """Whether an unseeded random transformation in the source can lose or duplicate elements:
+    only under DATA sharding across workers (see ``unseeded_random_action``). Pure."""
+    return policy == "data" and num_workers > 1
+
+
+def unseeded_random_action(policy: str, num_workers: int,
+                           unseeded: Sequence[str]) -> tuple[str, str]:
+    """What tfdp does with the source's unseeded random transformations: ("seed", why) or
+    ("keep", why). The same on every worker (it reads only what every worker computes alike).
+
+    Args:
+        policy: the chosen shard policy ("data", "file", "off") or "service".
+        num_workers: workers in the cluster.
+        unseeded: descriptions of the random transformations whose seeds are unset, e.g.
+            ``["shuffle(96)"]``.
+
+    Example: ``unseeded_random_action("data", 2, ["shuffle(96)"])[0] == "seed"``; with one
+    worker, "keep".
+    """
+    if not unseeded:
+        return "keep", "no unseeded random transformation"
+    if unseeded_random_matters(policy, num_workers):
+        return "seed", (f"DATA sharding over {num_workers} workers keeps elements w, w+W, ... of "
+                        f"each worker's own order, and {', '.join(unseeded)} draws another order "
+                        "on every worker (elements would be lost and duplicated)")
+    if num_workers == 1 or policy == "off":
+        return "keep", ("one worker: a single pipeline is split among its replicas"
+                        if num_workers == 1 else "no sharding: every worker reads every element")
+    if policy == "file":
+        return "keep", ("FILE sharding: each worker shuffles only the records of its own files "
+                        "(TensorFlow's rewrite moves a shuffle of the file names after its shard)")
+    return "keep", ("a tf.data service hands each split to one service worker and each element to "
+                    "one trainer, whatever order a service worker draws")
+
+
+def unseeded_random_error(unseeded: Sequence[str], num_workers: int, cause: str) -> str:
+    """The ``DataShardingError`` message when tfdp cannot seed ``unseeded`` itself. Pure."""
+    return (f"the dataset applies {', '.join(unseeded)} without a seed, so each of the "
+            f"{num_workers} workers draws its own order, and DATA sharding (worker w keeps "
+            "elements w, w+W, ... of its order) would train on some elements twice and others "
+            f"never; tfdp could not seed it ({cause}). Fix one of: give it a seed, the same on "
+            "every worker (shuffle(n, seed=S)); or remove it and pass shuffle_buffer=n to "
+            "tfdp.data.distribute (tfdp shuffles with its shared seed before sharding); or call "
+            "tf.random.set_seed(S) on every worker before building the pipeline.")
 
 
 def steps_per_epoch(elements_per_worker: Sequence[int], per_replica: int, local_replicas: int,

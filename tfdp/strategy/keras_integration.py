@@ -14,7 +14,10 @@ forgets the job, so a later strategy installs afresh. What it installs:
    ``jit_compile=True`` compiles each replica's part of the step.
 3. Random draws (``randomness.install_keras_hooks``): inside a tfdp replica function, Keras's
    random ops draw for each replica what one device draws for its rows of the global batch.
-4. With several workers, the stock callbacks and saving: only the chief writes to the user's
+4. fit's input (``install_fit_input``): the ``x`` of a running ``fit`` is known to tfdp's
+   callbacks (``fit_input``), so ``BackupAndRestore`` positions the dataset ``fit`` trains
+   on and never a validation pipeline (also installed by that callback itself).
+5. With several workers, the stock callbacks and saving: only the chief writes to the user's
    paths (``chief_writes``), and ``EarlyStopping``-style decisions and restored epochs agree
    across workers (``consensus``).
 
@@ -27,10 +30,14 @@ not Keras's and lives apart, in ``tfdp.strategy.lifecycle``.
 
 from __future__ import annotations
 
+import functools
+
 from tfdp import _tf_private
 from tfdp.strategy import chief_writes, collectives, consensus, randomness, xla
 
-__all__ = ["install", "uninstall", "installed"]
+__all__ = ["install", "uninstall", "installed", "install_fit_input", "fit_input"]
+
+_FIT_INPUT = "_tfdp_fit_input"  # tfdp's own attribute on a model while its fit runs
 
 
 def install(cluster=None) -> None:
@@ -44,6 +51,7 @@ def install(cluster=None) -> None:
     collectives.install_keras_gradient_hooks()
     xla.install_keras_hooks()
     randomness.install_keras_hooks()
+    install_fit_input()
     if cluster is not None and cluster.is_multi_worker:
         chief_writes.activate(cluster)
         consensus.install()
@@ -62,3 +70,27 @@ def uninstall() -> int:
 def installed() -> list:
     """``(owner, attribute)`` of every patch in place."""
     return _tf_private.patched()
+
+
+def install_fit_input() -> None:
+    """Makes ``fit_input(model)`` answer while ``model.fit`` runs (idempotent)."""
+
+    def make_fit(original):
+        @functools.wraps(original)
+        def fit(self, *args, **kwargs):
+            x = kwargs["x"] if "x" in kwargs else (args[0] if args else None)
+            outer = vars(self).get(_FIT_INPUT)
+            object.__setattr__(self, _FIT_INPUT, (x,))  # past Keras's attribute tracking
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                object.__setattr__(self, _FIT_INPUT, outer)
+        return fit
+
+    _tf_private.patch_keras_fit(make_fit)
+
+
+def fit_input(model):
+    """``(x,)`` of the ``fit`` call running on ``model`` (the dataset it trains on), or None
+    outside ``fit`` (or before ``install_fit_input``)."""
+    return vars(model).get(_FIT_INPUT) if model is not None else None
