@@ -144,6 +144,24 @@ def test_a_worker_other_than_the_chief_writes_nothing_at_the_scripts_paths(
     assert "final.keras" in _files(out)
 
 
+def test_a_redirected_checkpoint_directory_exists_and_can_be_removed(tmp_path, as_worker_1,
+                                                                       monkeypatch):
+    # TensorFlow's multi-worker custom-loop tutorial: a worker saves into a directory of its
+    # own, lists nothing in particular, then removes it with tf.io.gfile.rmtree.
+    checkpoint = tf.train.Checkpoint(v=tf.Variable(1.0))
+    target = str(tmp_path / "out" / "workertemp_1" / "ckpt")
+    tf.train.CheckpointManager(checkpoint, target, max_to_keep=1).save()
+    assert tf.io.gfile.isdir(target) and tf.io.gfile.listdir(target) == []
+    tf.io.gfile.rmtree(target)
+    written = checkpoint.write(str(tmp_path / "plain" / "c"))
+    assert tf.io.gfile.isdir(os.path.dirname(written))
+    # Guard: without creating the directory the tutorial's removal fails, as it did.
+    monkeypatch.setattr(chief_writes, "_make_directory", lambda path: None)
+    tf.train.CheckpointManager(checkpoint, target, max_to_keep=1).save()
+    with pytest.raises(tf.errors.NotFoundError):
+        tf.io.gfile.rmtree(target)
+
+
 def test_the_chief_writes_at_the_scripts_paths(tmp_path, monkeypatch):
     monkeypatch.setattr(chief_writes, "_worker", None)
     chief_writes.activate(types.SimpleNamespace(rank=0, is_chief=True))
@@ -333,6 +351,11 @@ def test_sharded_optimizer_and_custom_loop_on_two_workers(tmp_path):
     chief, other = records[0]["ctl"], records[1]["ctl"]
     assert other["saved"] == chief["saved"] == [str(ctl / "ckpt" / f"ckpt-{i}") for i in (1, 2, 3)]
     assert other["latest"] == chief["latest"] and other["checkpoints"] == chief["checkpoints"]
+    # The tutorial's idiom: worker 1 listed and removed its own temporary directory.
+    assert other["listed"] == [] and not (ctl / "workertemp_1" / "tutorial_ckpt").exists()
+    assert "tutorial_ckpt/checkpoint" in tree
+    # is_chief() with no argument, outside any scope, answers for the process's job.
+    assert chief["is_chief_outside_scope"] is True and other["is_chief_outside_scope"] is False
     model, optimizer = mlp(), keras.optimizers.Adam(0.01)
     optimizer.build(model.trainable_variables)
     tf.train.Checkpoint(model=model, optimizer=optimizer).restore(chief["latest"])

@@ -188,11 +188,41 @@ def phase_ctl(strategy, out, opt_name, epochs, record, arrays):
             tf.summary.scalar("loss", sum(losses) / len(losses), step=epoch)
         record["saved"].append(manager.save())
     writer.close()
+    _tutorial_checkpoint_idiom(strategy, checkpoint, out, record)
     record["latest"] = manager.latest_checkpoint
     record["checkpoints"] = list(manager.checkpoints)
     for i, w in enumerate(model.get_weights()):
         arrays[f"w{i}"] = w
     arrays["iterations"] = np.asarray(int(optimizer.iterations.numpy()))
+
+
+def _tutorial_checkpoint_idiom(strategy, checkpoint, out, record):
+    """The checkpoint idiom of TensorFlow's multi-worker custom-loop tutorial, word for word
+    but for where the task comes from: a worker other than the chief saves into a temporary
+    directory of its own and removes it. And is_chief() outside any scope."""
+    task_type, task_id = strategy.cluster.task_type, strategy.cluster.task_index
+
+    def _is_chief(task_type, task_id):
+        return task_type == "chief" or (task_type == "worker" and task_id == 0)
+
+    def _get_temp_dir(dirpath, task_id):
+        temp_dir = os.path.join(dirpath, "workertemp_" + str(task_id))
+        tf.io.gfile.makedirs(temp_dir)
+        return temp_dir
+
+    def write_filepath(filepath, task_type, task_id):
+        dirpath, base = os.path.dirname(filepath), os.path.basename(filepath)
+        if not _is_chief(task_type, task_id):
+            dirpath = _get_temp_dir(dirpath, task_id)
+        return os.path.join(dirpath, base)
+
+    write_checkpoint_dir = write_filepath(out + "/tutorial_ckpt", task_type, task_id)
+    manager = tf.train.CheckpointManager(checkpoint, directory=write_checkpoint_dir, max_to_keep=1)
+    manager.save()
+    if not _is_chief(task_type, task_id):
+        record["listed"] = tf.io.gfile.listdir(write_checkpoint_dir)
+        tf.io.gfile.rmtree(write_checkpoint_dir)
+    record["is_chief_outside_scope"] = tfdp.callbacks.is_chief()
 
 
 PHASES = {"fit": phase_fit, "early_stop": phase_early_stop, "nan": phase_nan,

@@ -23,7 +23,8 @@ What goes through the chief (the hooks; private Keras/TensorFlow names are in _t
 * custom training loops: ``tf.summary.create_file_writer``, ``tf.train.Checkpoint.save`` /
   ``write`` and ``tf.train.CheckpointManager.save``. A manager's bookkeeping stays the
   chief's on every worker: ``save()``'s return value, ``latest_checkpoint`` and
-  ``checkpoints`` name the chief's files.
+  ``checkpoints`` name the chief's files, and the directory the script named exists (empty)
+  on every worker after the save, so the script can list and remove it as the tutorials do.
 
 Opt-outs: ``per_worker_path(path)`` names a path that every worker writes itself (say,
 per-worker TensorBoard directories); ``TFDP_CHIEF_WRITES=0`` turns the mechanism off (every
@@ -237,6 +238,21 @@ def _sync(checkpoint):
         sync()  # an async write must finish before its directory goes
 
 
+def _make_directory(path):
+    """Creates the directory the script named, as its own write would have (empty here).
+
+    TensorFlow's multi-worker custom-loop tutorial saves a worker's CheckpointManager into a
+    temporary directory of its own and then removes it with ``tf.io.gfile.rmtree``; with the
+    write redirected that directory must still exist, or the removal fails (NotFoundError).
+    """
+    import tensorflow as tf
+
+    try:
+        tf.io.gfile.makedirs(os.fspath(path))
+    except (tf.errors.OpError, OSError) as e:  # the script's own write would have failed here
+        log.debug("tfdp: chief writes: could not create %s: %s", path, e)
+
+
 def _checkpoint_write(original):
     """``Checkpoint._write``, under ``save`` and ``write``; returns the path the script asked
     for, as the chief's call does."""
@@ -247,6 +263,7 @@ def _checkpoint_write(original):
         with _private_stand_in(file_prefix) as private:
             original(self, private, *args, **kwargs)
             _sync(self)
+        _make_directory(os.path.dirname(os.fspath(file_prefix)) or ".")
         return os.fspath(file_prefix)
 
     return _write
@@ -285,6 +302,7 @@ def _checkpoint_manager_save(original):
                     maybe_delete=collections.OrderedDict(
                         (to_real(k), v) for k, v in after.maybe_delete.items()),
                     latest=to_real(after.latest)))
+        _make_directory(real.directory)
         return to_real(result)
 
     return save
