@@ -322,3 +322,10 @@ def test_guard_the_pure_python_check_sees_tensorflow():
         """, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == ["keras", "tensorflow"]
+
+
+def test_the_version_is_the_changelogs_newest():
+    text = (REPO / "CHANGELOG.md").read_text()
+    newest = re.search(r"^## (\d+\.\d+\.\d+)", text, flags=re.M).group(1)
+    init = (PACKAGE / "__init__.py").read_text()
+    assert re.search(r'^__version__ = "([^"]+)"', init, flags=re.M).group(1) == newest

@@ -44,6 +44,15 @@ def epoch_orders(inputs):
     return [[i for step in wi.local_steps() for ids in step for i in ids] for wi in inputs]
 
 
+@pytest.fixture(autouse=True)
+def no_global_seed():
+    """No global seed, whatever the tests run before in this process did (Keras's
+    set_random_seed sets TensorFlow's): "unseeded" means seeds (0, 0) only without one."""
+    tf.random.set_seed(None)
+    yield
+    tf.random.set_seed(None)
+
+
 @pytest.fixture
 def seeding_off(monkeypatch):
     """tfdp's seeding of unseeded shuffles turned off (for the guards)."""

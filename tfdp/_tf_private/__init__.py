@@ -125,6 +125,7 @@ from tfdp._tf_private.keras_optimizer import (
     uses_weight_decay,
     variable_index,
     variable_key,
+    SHARED_STATE_STEPS,
 )
 from tfdp._tf_private.keras_saving import (
     KERAS_BACKUP_PATH_ATTRIBUTES,
@@ -168,6 +169,7 @@ __all__ = [
     "keras_loss_tracker", "unscale_loss_for_distribution", "set_keras_epoch_length",
     "keras_epoch_length", "set_keras_initial_epoch",
     # keras_optimizer
+    "SHARED_STATE_STEPS",
     "TFOptimizer", "LossScaleOptimizer", "OPTIMIZER_HOOKS", "LAYERWISE_HOOKS",
     "optimizer_strategy", "optimizer_step_counter", "optimizer_own_variables",
     "set_optimizer_own_variables", "gradient_accumulators", "moving_averages",

@@ -20,6 +20,21 @@ Each optimizer update, in every replica:
    included); its state exists only for the owned variables, on this device;
 4. all-gather the owned new values, so every replica holds identical weights.
 
+Optimizer state (which optimizers shard). The wrapped optimizer builds its state inside
+ShardedOptimizer.build. A state variable belongs to model variable i when it is made by
+``add_variable_from_reference(variable_i)``, or when it sits at position i of one of the
+optimizer's lists indexed like the variables (Keras's convention: ``update_step`` reads
+``self._r[self._get_variable_index(variable)]``), whatever its shape: Adafactor's factored
+second moments have a row's and a column's shape. Such state lives on the owner's device only
+and is saved consolidated. State that belongs to no variable is shared: it stays on every
+replica and the wrapped optimizer saves it; only Keras's Nadam has some (its ``u_product``,
+advanced once per update by its ``_backend_update_step``, which each replica runs with no
+variables before its owned updates). Refused, with an error naming the optimizer and the fix
+(use it unsharded): a class that replaces Keras's whole-step methods (``apply``,
+``apply_gradients``, ``_backend_apply_gradients``, or ``_backend_update_step`` other than
+Nadam's; Keras's MultiOptimizer) when wrapped, and shared state advanced any other way when
+built. docs/zero.md has the table of every Keras optimizer.
+
 Gradient accumulation (ZeRO stage 2). With ``gradient_accumulation_steps=k`` on the wrapped
 optimizer, k calls (micro-batches) make one update, with Keras's semantics: the update uses
 the mean of the k micro-batch gradients, clipping and weight decay act on that mean,
@@ -79,7 +94,7 @@ import keras
 from tfdp import _tf_private
 from tfdp.optimizers import packing
 from tfdp.optimizers._layerwise import dense
-from tfdp.optimizers.sharded_state import (ConsolidatedState, _is_stand_in,
+from tfdp.optimizers.sharded_state import (ConsolidatedState, StatePlacement, _is_stand_in,
                                            install_loss_scale_saving_hooks,
                                            optimizer_state_bytes_per_replica)
 from tfdp.strategy import collectives, is_data_parallel
@@ -104,6 +119,25 @@ def partition(sizes: Sequence[int], num_shards: int) -> list[int]:
 
 def _num_elements(variable) -> int:
     return int(np.prod(variable.shape)) if len(variable.shape) else 1
+
+
+def _check_updates_per_variable(optimizer):
+    """Refuses an optimizer whose step is not one update_step per variable (module doc)."""
+    name = type(optimizer).__name__
+    replaced = [m for m in _tf_private.overridden_step_methods(optimizer)
+                if not (m == "_backend_update_step" and _tf_private.advances_shared_state(optimizer))]
+    if isinstance(optimizer, keras.optimizers.MultiOptimizer):
+        reason = ("its apply() sends each group of variables to a sub-optimizer, and "
+                  "ShardedOptimizer never calls apply(): it updates each owned variable "
+                  "through update_step")
+    elif replaced:
+        reason = (f"its class replaces Keras's {', '.join(replaced)}, which works on all "
+                  "variables at once; ShardedOptimizer updates each owned variable through "
+                  "update_step and would skip that code")
+    else:
+        return
+    raise ValueError(f"ShardedOptimizer cannot shard {name}: {reason}. Use {name} unsharded "
+                     "(compile with it directly).")
 
 
 class _Bookkeeping:
@@ -172,6 +206,7 @@ class ShardedOptimizer(ConsolidatedState, keras.optimizers.Optimizer):
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             raise TypeError("Wrap the other way round: "
                             "LossScaleOptimizer(ShardedOptimizer(optimizer)).")
+        _check_updates_per_variable(optimizer)
         if getattr(optimizer, "loss_scale_factor", None):
             raise ValueError(
                 "ShardedOptimizer does not support loss_scale_factor on the wrapped optimizer "
@@ -231,67 +266,26 @@ class ShardedOptimizer(ConsolidatedState, keras.optimizers.Optimizer):
                 f"The wrapped optimizer {inner.name} was created outside the strategy's scope; "
                 "create it inside strategy.scope(), like the ShardedOptimizer and the model.")
         self._num_replicas = num_replicas
-        first_local = rank * len(local_devices)
-        sizes = [_num_elements(v) for v in var_list]
-        self._owners = partition(sizes, num_replicas)
-        keys = {_tf_private.variable_key(self, v): i for i, v in enumerate(var_list)}
-        slot_owner = {}  # id(tf.Variable) -> model variable index
-
-        def place_slot(next_creator, **kwargs):
-            reference = building_slot_for[-1] if building_slot_for else None
-            index = (keys.get(_tf_private.variable_key(self, reference))
-                     if reference is not None else None)
-            if index is None:
-                return next_creator(**kwargs)
-            local = self._owners[index] - first_local
-            if strategy is None:
-                pass  # one device: the slot goes wherever the optimizer puts it
-            elif 0 <= local < len(local_devices):
-                kwargs["colocate_with"] = _tf_private.SingleDevice(local_devices[local])
-            else:
-                # Owned by another worker: an empty stand-in keeps the wrapped optimizer's
-                # slot lists aligned with the variables; this worker never updates it.
-                dtype = kwargs.get("dtype") or tf.as_dtype(reference.dtype)
-                kwargs["initial_value"] = tf.zeros([0], dtype=dtype)
-                kwargs["shape"] = tf.TensorShape([0])
-                kwargs["colocate_with"] = _tf_private.SingleDevice(local_devices[0])
-            variable = next_creator(**kwargs)
-            slot_owner[id(variable)] = index
-            return variable
-
-        # Slots are made by add_variable_from_reference(model variable, ...): note which
-        # model variable each one belongs to while the wrapped optimizer builds.
-        building_slot_for = []
-        add_from_reference = inner.add_variable_from_reference
-        local_accumulators = self.accumulation == "local"
-
-        def tracking_add(reference_variable, name=None, *args, **kwargs):
-            if local_accumulators and name == "gradient_accumulator":
-                # A full copy on every replica (mirrored; each replica writes its own).
-                return add_from_reference(reference_variable, name, *args, **kwargs)
-            building_slot_for.append(reference_variable)
-            try:
-                return add_from_reference(reference_variable, name, *args, **kwargs)
-            finally:
-                building_slot_for.pop()
-
-        inner.add_variable_from_reference = tracking_add
-        try:
-            with tf.variable_creator_scope(place_slot):
-                inner.build(var_list)
-        finally:
-            del inner.add_variable_from_reference
-        slots, kept = [], []
-        for v in _tf_private.optimizer_own_variables(inner):
-            index = slot_owner.get(id(v.value))
-            if index is None:
-                kept.append(v)
-            else:
-                slots.append((v, index))
+        self._owners = partition([_num_elements(v) for v in var_list], num_replicas)
+        # The wrapped optimizer builds its state; each variable's goes to the owner's device
+        # (the rule: sharded_state.py's docstring).
+        placement = StatePlacement(self, var_list, self._owners, strategy, local_devices,
+                                   first_local=rank * len(local_devices))
+        placement.build(inner, var_list, local_accumulators=self.accumulation == "local")
+        slots, kept = placement.sort(inner)
         # The slots are per-device partitions; they are saved consolidated by this
         # wrapper (save_own_variables), not as the wrapped optimizer's own variables.
         _tf_private.set_optimizer_own_variables(inner, kept)
         self._book = _Bookkeeping(slots, list(var_list))
+        self._track_for_checkpoints(slots)
+
+    def _track_for_checkpoints(self, slots):
+        """tf.train.Checkpoint reaches every slot through this tf.Module. The wrapped
+        optimizer's own lists do not always track theirs (Adafactor's are tracked while empty,
+        Muon's while they hold None), and the slots are no longer among its ``_variables``:
+        without it, such a round trip restores no moments and reports no error (measured)."""
+        self._slot_dependencies = tf.Module(name="sharded_slots")
+        self._slot_dependencies.slots = [v for v, _ in slots]
 
     @property
     def variables(self):
@@ -494,6 +488,9 @@ class ShardedOptimizer(ConsolidatedState, keras.optimizers.Optimizer):
         variables = [by_index[i] for i in indices]
         grads = self._clip_owned([owned_grads[i] for i in indices], distributed)
         lr = inner.learning_rate
+        if _tf_private.advances_shared_state(inner):
+            # Once per update on every replica, owned variables or not (Nadam's u_product).
+            _tf_private.advance_shared_state(inner, lr)
         if _tf_private.has_own_weight_decay(inner):
             _tf_private.apply_weight_decay(inner, variables)  # its own rule (LARS/LAMB: none here)
         elif inner.weight_decay is not None:
@@ -542,6 +539,11 @@ class ShardedOptimizer(ConsolidatedState, keras.optimizers.Optimizer):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        inner = keras.optimizers.deserialize(config.pop("optimizer"), custom_objects=custom_objects)
+        spec = config.pop("optimizer")
+        inner = keras.optimizers.deserialize(dict(spec), custom_objects=custom_objects)
+        if not isinstance(inner, keras.optimizers.Optimizer):
+            # keras.optimizers.deserialize's table misses some of Keras's own optimizers (Lamb
+            # in Keras 3.15) and then returns the class name; the generic lookup finds them.
+            inner = keras.saving.deserialize_keras_object(spec, custom_objects=custom_objects)
         allowed = {"name", "accumulation"}
         return cls(inner, **{k: v for k, v in config.items() if k in allowed})

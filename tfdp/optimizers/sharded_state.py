@@ -1,8 +1,15 @@
-"""ShardedOptimizer's state outside the step: consolidated checkpoints, memory accounting,
-and LossScaleOptimizer saving around it (see sharding.py's docstring, "State consolidation").
+"""ShardedOptimizer's state outside the step: where the wrapped optimizer's state lives,
+consolidated checkpoints, memory accounting, and LossScaleOptimizer saving around it (see
+sharded.py's docstring, "Optimizer state" and "State consolidation").
 
-Rule: a sharded slot, accumulator or EMA copy is saved as one full array gathered from its
-owner, so files do not depend on the replica or worker count.
+Rules. A state variable the wrapped optimizer creates while it builds belongs to model
+variable i when it is made by ``add_variable_from_reference(variable_i)`` (placed on the
+owner's device as it is created) or when it sits at position i of one of the optimizer's lists
+indexed like the variables (made with ``add_variable``, any shape: Adafactor's factored
+moments; created on every replica, then moved to the owner's device). Anything else it
+creates is shared by all variables and stays on every replica. A sharded slot, accumulator or
+EMA copy is saved as one full array gathered from its owner, whatever its shape, so files do
+not depend on the replica or worker count.
 """
 
 from __future__ import annotations
@@ -10,13 +17,14 @@ from __future__ import annotations
 
 import numpy as np
 import tensorflow as tf
+import keras
 
 from tfdp import _tf_private
 from tfdp.optimizers import packing
 from tfdp.strategy import collectives, is_data_parallel
 
-__all__ = ["ConsolidatedState", "variable_bytes_per_device", "optimizer_state_bytes_per_replica",
-           "install_loss_scale_saving_hooks"]
+__all__ = ["StatePlacement", "ConsolidatedState", "variable_bytes_per_device",
+           "optimizer_state_bytes_per_replica", "install_loss_scale_saving_hooks"]
 
 
 def _is_stand_in(variable) -> bool:
@@ -26,6 +34,141 @@ def _is_stand_in(variable) -> bool:
     TensorFlow variable's) is (0,).
     """
     return tuple(getattr(variable, "value", variable).shape) == (0,)
+
+
+class StatePlacement:
+    """Builds the wrapped optimizer with its per-variable state on the owners' devices, and
+    sorts what it built into sharded slots and shared variables (the module's rules).
+
+    ``owners[i]`` is model variable i's replica; ``strategy`` None means one device and no
+    placement; ``first_local`` is the global id of this worker's first replica.
+    """
+
+    def __init__(self, sharded, var_list, owners, strategy, local_devices, first_local):
+        self._sharded = sharded
+        self._keys = {_tf_private.variable_key(sharded, v): i for i, v in enumerate(var_list)}
+        self._num_variables = len(var_list)
+        self._owners = owners
+        self._strategy = strategy
+        self._local_devices = local_devices
+        self._first_local = first_local
+        self._building_for = []   # the reference variable of the slot being created, if any
+        self._slot_owner = {}     # id(tf.Variable) -> model variable index, for sharded state
+        self._created = set()     # id(tf.Variable) of everything else created while building
+        self._local = set()       # id(tf.Variable) of "local" accumulators (full, on every replica)
+
+    def _on_owner(self, kwargs, index, dtype):
+        """Variable-creator arguments that put state of variable ``index`` on its owner."""
+        if self._strategy is None:
+            return kwargs  # one device: the state goes wherever the optimizer puts it
+        local = self._owners[index] - self._first_local
+        if 0 <= local < len(self._local_devices):
+            kwargs["colocate_with"] = _tf_private.SingleDevice(self._local_devices[local])
+        else:
+            # Owned by another worker: an empty stand-in keeps the wrapped optimizer's
+            # lists aligned with the variables; this worker never updates it.
+            kwargs["initial_value"] = tf.zeros([0], dtype=dtype)
+            kwargs["shape"] = tf.TensorShape([0])
+            kwargs["colocate_with"] = _tf_private.SingleDevice(self._local_devices[0])
+        return kwargs
+
+    def _place(self, next_creator, **kwargs):
+        reference = self._building_for[-1] if self._building_for else None
+        index = (self._keys.get(_tf_private.variable_key(self._sharded, reference))
+                 if reference is not None else None)
+        if index is None:
+            variable = next_creator(**kwargs)
+            self._created.add(id(variable))
+            return variable
+        dtype = kwargs.get("dtype") or tf.as_dtype(reference.dtype)
+        variable = next_creator(**self._on_owner(kwargs, index, dtype))
+        self._slot_owner[id(variable)] = index
+        return variable
+
+    def build(self, inner, var_list, local_accumulators):
+        """``inner.build(var_list)``, noting the model variable each reference slot is for."""
+        add_from_reference = inner.add_variable_from_reference
+
+        def tracking_add(reference_variable, name=None, *args, **kwargs):
+            if local_accumulators and name == "gradient_accumulator":
+                # A full copy on every replica (mirrored; each replica writes its own).
+                variable = add_from_reference(reference_variable, name, *args, **kwargs)
+                self._local.add(id(variable.value))
+                return variable
+            self._building_for.append(reference_variable)
+            try:
+                return add_from_reference(reference_variable, name, *args, **kwargs)
+            finally:
+                self._building_for.pop()
+
+        inner.add_variable_from_reference = tracking_add
+        try:
+            with tf.variable_creator_scope(self._place):
+                inner.build(var_list)
+        finally:
+            del inner.add_variable_from_reference
+
+    def _positions(self, inner) -> dict:
+        """id(Keras variable) -> model variable index, for state the optimizer made without a
+        reference and keeps at that position of a list indexed like the variables."""
+        positions = {}
+        for items in _tf_private.optimizer_state_lists(inner).values():
+            if len(items) != self._num_variables:
+                continue
+            for index, item in enumerate(items):
+                if isinstance(item, keras.Variable) and id(item.value) in self._created:
+                    positions.setdefault(id(item), index)
+        return positions
+
+    def move_to_owner(self, variable, index):
+        """Moves state made on every replica to its owner's device: the same Keras variable
+        (the optimizer's lists keep it), new storage holding the same value."""
+        if self._strategy is None:
+            return
+        current = variable.value
+        value = tf.convert_to_tensor(current)  # identical on every replica at build
+        placed = self._on_owner({}, index, current.dtype)
+
+        def creator(next_creator, **kwargs):
+            kwargs.update(placed)
+            return next_creator(**kwargs)
+
+        with tf.variable_creator_scope(creator):
+            storage = tf.Variable(value, trainable=False, dtype=current.dtype,
+                                  name=current.name.split(":")[0])
+        _tf_private.replace_variable_storage(variable, storage)
+        self._slot_owner[id(storage)] = index
+
+    def sort(self, inner):
+        """(slots, kept): the sharded state as ``[(Keras variable, model variable index)]`` and
+        the shared variables the wrapped optimizer keeps saving itself, in creation order.
+        Refuses state that belongs to no variable unless the optimizer advances it once per
+        update (Keras's Nadam)."""
+        positions = self._positions(inner)
+        slots, kept, unowned = [], [], []
+        for variable in _tf_private.optimizer_own_variables(inner):
+            storage = id(variable.value)
+            index = self._slot_owner.get(storage)
+            if index is None and storage in self._created and storage not in self._local:
+                index = positions.get(id(variable))
+                if index is None:
+                    unowned.append(variable)
+                else:
+                    self.move_to_owner(variable, index)
+            if index is None:
+                kept.append(variable)
+            else:
+                slots.append((variable, index))
+        if unowned and not _tf_private.advances_shared_state(inner):
+            name = type(inner).__name__
+            raise ValueError(
+                f"ShardedOptimizer cannot shard {name}: its build() creates state that belongs "
+                f"to no model variable ({', '.join(v.path for v in unowned)}): made neither by "
+                "add_variable_from_reference(variable) nor kept in a list indexed like the "
+                "variables (Keras's convention), so no replica can be told to keep and update "
+                f"it. Keep per-variable state in such lists, or use {name} unsharded (compile "
+                "with it directly).")
+        return slots, kept
 
 
 class ConsolidatedState:
@@ -40,28 +183,32 @@ class ConsolidatedState:
         return self._gather_slots_across_workers()
 
     def _gather_slots_across_workers(self):
+        """Every slot from its owner, one all-gather per dtype; rows packed by element count
+        with each slot's own shape (a factored moment is not its variable's shape)."""
         strategy = _tf_private.optimizer_strategy(self)
-        slots_of = {r: [(k, v, i) for k, (v, i) in enumerate(self._book.slots) if self._owners[i] == r]
-                    for r in range(self._num_replicas)}
-        shapes = [tuple(self._book.model_variables[i].shape) for _, i in self._book.slots]
-        dtype = self._book.slots[0][0].value.dtype if self._book.slots else tf.float32
-        width = packing.row_width([[int(np.prod(shapes[k])) for k, _, _ in slots_of[r]]
-                                   for r in range(self._num_replicas)])
+        slots = self._book.slots
+        shapes = [tuple(v.shape) for v, _ in slots]  # the Keras shape, stand-ins included
+        out = [None] * len(slots)
+        for dtype in sorted({tf.as_dtype(v.dtype) for v, _ in slots}, key=lambda d: d.name):
+            slots_of = {r: [k for k, (v, i) in enumerate(slots)
+                            if self._owners[i] == r and tf.as_dtype(v.dtype) == dtype]
+                        for r in range(self._num_replicas)}
+            width = packing.row_width([[int(np.prod(shapes[k])) for k in slots_of[r]]
+                                       for r in range(self._num_replicas)])
 
-        @tf.function
-        def gather():
-            def fn():
-                me = collectives.global_replica_id(strategy)
-                local = packing.pack([v.value for _, v, _ in slots_of[me]], width, dtype)
-                return collectives.all_gather(local[tf.newaxis], axis=0)
-            return strategy.run(fn)
+            @tf.function
+            def gather(slots_of=slots_of, width=width, dtype=dtype):
+                def fn():
+                    me = collectives.global_replica_id(strategy)
+                    local = packing.pack([slots[k][0].value for k in slots_of[me]], width, dtype)
+                    return collectives.all_gather(local[tf.newaxis], axis=0)
+                return strategy.run(fn)
 
-        table = strategy.experimental_local_results(gather())[0].numpy()
-        out = [None] * len(self._book.slots)
-        for r in range(self._num_replicas):
-            keys = [k for k, _, _ in slots_of[r]]
-            for k, value in zip(keys, packing.unpack(table[r], [shapes[k] for k in keys])):
-                out[k] = value
+            table = strategy.experimental_local_results(gather())[0].numpy()
+            for r in range(self._num_replicas):
+                keys = slots_of[r]
+                for k, value in zip(keys, packing.unpack(table[r], [shapes[k] for k in keys])):
+                    out[k] = value
         return out
 
     def save_own_variables(self, store):

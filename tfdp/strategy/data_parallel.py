@@ -269,21 +269,12 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     def communication(self) -> str:
         return self._tfdp_communication
 
-    @property
-    def bucket_bytes(self) -> int:
-        return self._tfdp_bucket_bytes
-
-    @property
-    def compression(self):
-        return self._tfdp_compression
-
-    @property
-    def timeout_seconds(self):
-        return self._tfdp_timeout
-
-    @property
-    def random_draws(self) -> str:
-        return self._tfdp_random_draws
+    # The resolved arguments (options.StrategyOptions), read-only.
+    bucket_bytes = property(lambda self: self._tfdp_bucket_bytes, doc="Gradient bucket bytes.")
+    compression = property(lambda self: self._tfdp_compression, doc="Wire dtype, or None.")
+    timeout_seconds = property(lambda self: self._tfdp_timeout, doc="The step deadline, or None.")
+    random_draws = property(lambda self: self._tfdp_random_draws,
+                            doc="'as_one_device' or 'independent' (strategy/randomness.py).")
 
     @property
     def local_devices(self) -> list:
