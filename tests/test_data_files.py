@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 from tfdp import data as tdata
+from tfdp.data import errors as errors_lib, graph as graph_lib
 from data_helpers import collect, fake_workers, flat, global_steps
 from launching import run_job, tfdp_run_command, worker_env, worker_script
 
@@ -109,7 +110,7 @@ def test_too_few_files_raise_for_file_and_fall_back_for_auto(data_dir, caplog):
     make = pipelines(data_dir)["tfrecord_list"]
     with pytest.raises(tdata.DataShardingError, match=r"5 file\(s\) for 6 workers"):
         fake_workers(6, 1, make, 6, shard_policy="file")
-    tdata._logged_messages.clear()
+    errors_lib._logged_messages.clear()
     with caplog.at_level(logging.INFO, logger="tfdp"):
         inputs = fake_workers(6, 1, make, 6)
     assert inputs[0].sharding_info["policy"] == "data"
@@ -133,7 +134,7 @@ def test_positional_transformations_are_not_sharded_by_file(data_dir, transform,
     with pytest.raises(tdata.DataShardingError, match=f"{name}\\(\\)"):
         fake_workers(2, 2, make, 8, shard_policy="file")
     # Guard: TensorFlow's rewrite alone would apply it per worker and get another set.
-    per_worker = [tdata._file_shard(make(), 2, w) for w in range(2)]
+    per_worker = [graph_lib.file_shard(make(), 2, w) for w in range(2)]
     assert sorted(int(i) for ds in per_worker for i in ds) != want
 
 

@@ -31,22 +31,6 @@ from tfdp.data.records import (INDEX_FILENAME, count_records, record_counts, tfr
                                write_tfrecord_shards)
 from tfdp.data.sources import Files, Service
 
-# The module's private names of before the split, for code and tests that used them.
-from tfdp.data.errors import _logged_messages, log, log_once as _log_once  # noqa: E402,F401
-from tfdp.data.graph import (Batching as _Batching, Facts as _Facts,  # noqa: E402,F401
-                             analyze as _analyze, check_batching as _check_batching,
-                             count_below as _count_below, dataset_graph as _dataset_graph,
-                             file_shard as _file_shard, maybe_batched as _maybe_batched,
-                             returns_per_replica_batches as _returns_per_replica_batches)
-from tfdp.data.distributed import num_workers as _num_workers  # noqa: E402,F401
-from tfdp.data.plan import Plan as _Plan, check_num_examples as _check_num_examples  # noqa: E402,F401
-from tfdp.data.policy import order_class as _order_class  # noqa: E402,F401
-from tfdp.data.policy import split_elements as _split_elements  # noqa: E402,F401
-from tfdp.data.position import EpochState as _EpochState  # noqa: E402,F401
-from tfdp.data.service import (check_service_reachable as _check_service_reachable,  # noqa: E402,F401
-                               global_stream as _global_stream, shared_token as _shared_token)
-from tfdp.data.sources import normalise_source as _normalise_source  # noqa: E402,F401
-
 __all__ = ["distribute", "Files", "Service", "DataShardingError", "per_replica_batch_size",
            "choose_shard_policy", "steps_per_epoch", "resume_is_exact", "latest_distributed",
            "write_tfrecord_shards", "tfrecord_parser", "count_records", "record_counts",
