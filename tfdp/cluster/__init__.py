@@ -2,8 +2,9 @@
 
 One module per source, each returning a plain ``Layout`` (``layout.py``): ``tf_config``
 (TF_CONFIG), ``vertex`` (CLUSTER_SPEC), ``sagemaker`` (SM_HOSTS), ``slurm`` (an srun step),
-``resolver`` (a ClusterResolver). ``errors`` is the leaf they share; ``config`` builds
-``ClusterConfig`` and states the order in which ``from_env`` tries the sources.
+``kubernetes`` (a pod of an indexed Job or JobSet), ``resolver`` (a ClusterResolver).
+``errors`` is the leaf they share; ``config`` builds ``ClusterConfig`` and states the order in
+which ``from_env`` tries the sources.
 """
 
 from tfdp.cluster.config import ClusterConfig

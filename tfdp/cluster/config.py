@@ -12,8 +12,12 @@ strategy logs which one it was (``ClusterConfig.source``) once at INFO:
    (``tfdp.cluster.sagemaker``).
 4. Slurm: inside an ``srun`` step of several tasks, every task is a worker
    (``tfdp.cluster.slurm``).
-5. Otherwise one worker (with a note when this is the batch script of a multi-task Slurm
-   allocation, where ``srun`` was probably meant).
+5. A pod of a Kubernetes indexed Job or JobSet (``JOB_COMPLETION_INDEX`` and
+   ``TFDP_NUM_WORKERS`` > 1): every pod a worker, addressed by its headless-service hostname
+   (``tfdp.cluster.kubernetes``; logged as "Kubernetes indexed Job" or "JobSet").
+6. Otherwise one worker (with a note when this is the batch script of a multi-task Slurm
+   allocation, where ``srun`` was probably meant, or an indexed Job's pod without
+   ``TFDP_NUM_WORKERS``).
 
 :func:`layout_from_env` is that order, and the only place it is implemented.
 ``ClusterConfig.from_resolver`` takes any TensorFlow ``ClusterResolver`` instead (duck typed:
@@ -37,7 +41,7 @@ import os
 from typing import Any, Mapping
 
 from tfdp.cluster import resolver as _resolver
-from tfdp.cluster import sagemaker, slurm, tf_config, vertex
+from tfdp.cluster import kubernetes, sagemaker, slurm, tf_config, vertex
 from tfdp.cluster.errors import DEFAULT_PORT_BASE, ClusterConfigError, port_base
 from tfdp.cluster.layout import Layout
 
@@ -59,8 +63,11 @@ def layout_from_env(environ: Mapping[str, str]) -> Layout:
     step = slurm.read_layout(environ)
     if step is not None:
         return step
-    note = slurm.batch_step_note(environ)
-    return Layout(source="single", notes=(note,) if note else ())
+    pod = kubernetes.read_layout(environ)
+    if pod is not None:
+        return pod
+    notes = (slurm.batch_step_note(environ), kubernetes.single_pod_note(environ))
+    return Layout(source="single", notes=tuple(note for note in notes if note))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +81,8 @@ class ClusterConfig:
         cluster_spec: ``{"chief": (...), "worker": (...)}``: the training ring only; empty for
             a single process. Used to build TensorFlow's cluster resolver.
         source: where the layout came from: ``"TF_CONFIG"``, ``"CLUSTER_SPEC"``,
-            ``"SM_HOSTS"``, ``"Slurm"``, ``"cluster_resolver"``, ``"single"`` (nothing found)
+            ``"SM_HOSTS"``, ``"Slurm"``, ``"Kubernetes indexed Job"``, ``"JobSet"``,
+            ``"cluster_resolver"``, ``"single"`` (nothing found)
             or ``"given"`` (constructed directly). Not part of equality.
         task_gpus: positions in ``CUDA_VISIBLE_DEVICES`` this task uses, or None for all it
             sees (set under Slurm when a node's tasks share its GPUs; ``tfdp.cluster.slurm``).
@@ -133,8 +141,8 @@ class ClusterConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "ClusterConfig":
         """The first of ``TF_CONFIG``, ``CLUSTER_SPEC``, ``SM_HOSTS``, a Slurm step of several
-        tasks, else one worker (:func:`layout_from_env`). ``environ`` defaults to
-        ``os.environ``.
+        tasks, a Kubernetes indexed Job or JobSet of several pods, else one worker
+        (:func:`layout_from_env`). ``environ`` defaults to ``os.environ``.
 
         Raises:
             ClusterConfigError: the source found is malformed or unsupported.
