@@ -27,6 +27,10 @@ Environment variables the user may set
     ``TFDP_EVICT_EXIT_CODE``   the code workers exit with to ask for a restart without a worker
                                (default 75); a scheduler that retries only codes >= 128
                                (Kubeflow ``restartPolicy: ExitCode``) needs one of those.
+    ``TFDP_PREEMPTION_SIGNALS`` the signals BackupAndRestore reads as a preemption, comma-
+                               separated (``SIGTERM,SIGUSR1``; must include SIGTERM); default
+                               SIGTERM, plus SIGUSR1,SIGUSR2 inside a Slurm job
+                               (tfdp.resilience.preemption).
 
 Control files, under ``TFDP_CONTROL_DIR`` (fresh for every attempt)
     ``step-{rank}``            written by a worker after its first completed training step of
@@ -45,7 +49,9 @@ Exit codes
     125   ``EXIT_NEVER_JOINED``: a worker never joined within ``--start-timeout``, no restart left.
     127   ``EXIT_CANNOT_START``: the worker command could not be started.
     130   ``EXIT_INTERRUPTED``: Ctrl-C (128 + SIGINT).
-    143   ``EXIT_PREEMPTED``: SIGTERM (128 + SIGTERM); workers back up at the same step first.
+    143   ``EXIT_PREEMPTED``: SIGTERM (128 + SIGTERM), or another preemption signal
+          (``TFDP_PREEMPTION_SIGNALS``; SIGUSR1/SIGUSR2 in a Slurm job); workers back up at the
+          same step first.
     255   ``EXIT_HOST_UNREACHABLE``: ssh's own code; tfdp-run could not reach a host
           (``--hosts``/``--hostfile``), no restart left or it may not be dropped.
     128+S a process killed by signal S.
@@ -60,7 +66,7 @@ __all__ = [
     "READY_FILE_ENV", "RANK_ENV", "SLOT_ENV", "ATTEMPT_ENV", "CONTROL_DIR_ENV",
     "MIN_WORKERS_ENV", "RESTARTS_LEFT_ENV", "GRACE_ENV", "CPU_REPLICAS_ENV", "ORDERLY_EXIT_ENV",
     "EVICT_FILE", "progress_file", "DEFAULT_GRACE_SECONDS", "PORT_BASE_ENV",
-    "EVICT_EXIT_CODE_ENV", "restart_requested_exit_code",
+    "EVICT_EXIT_CODE_ENV", "PREEMPTION_SIGNALS_ENV", "restart_requested_exit_code",
     "EXIT_RESTART_REQUESTED", "EXIT_TIMEOUT", "EXIT_NEVER_JOINED", "EXIT_CANNOT_START",
     "EXIT_INTERRUPTED", "EXIT_PREEMPTED", "EXIT_TERMINATED", "EXIT_HOST_UNREACHABLE",
     "exit_code_of", "describe_exit",
@@ -78,6 +84,7 @@ CPU_REPLICAS_ENV = "TFDP_CPU_REPLICAS"
 ORDERLY_EXIT_ENV = "TFDP_ORDERLY_EXIT"
 PORT_BASE_ENV = "TFDP_PORT_BASE"
 EVICT_EXIT_CODE_ENV = "TFDP_EVICT_EXIT_CODE"
+PREEMPTION_SIGNALS_ENV = "TFDP_PREEMPTION_SIGNALS"
 
 EVICT_FILE = "evict.json"
 

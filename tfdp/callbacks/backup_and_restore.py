@@ -24,6 +24,7 @@ from tfdp.protocol import EXIT_PREEMPTED, restart_requested_exit_code
 from tfdp.resilience import backups, elastic
 from tfdp.strategy.agreement import Agreement
 from tfdp.resilience.preemption import PreemptionWatcher, StopAgreement
+from tfdp.resilience.preemption import preemption_signals as resolve_preemption_signals
 
 __all__ = ["BackupAndRestore", "Preempted", "RestartRequested"]
 
@@ -98,7 +99,12 @@ class BackupAndRestore(keras.callbacks.Callback):
     forwarding its own SIGTERM) sets a flag; at a step boundary the workers agree
     (``tfdp.resilience.preemption``), all back up at that step and leave ``fit`` with
     ``Preempted`` (``SystemExit(143)``). If that cannot happen within ``grace_seconds`` the
-    process exits 143 without a new backup. SIGINT is left alone.
+    process exits 143 without a new backup. Inside a Slurm job SIGUSR1 and SIGUSR2 (``sbatch
+    --signal=USR1@120``, submitit's USR2) take the same path; ``preemption_signals`` (or
+    ``TFDP_PREEMPTION_SIGNALS``) chooses the set (``tfdp.resilience.preemption`` says why
+    this default). A preemption signal whose handler before ``fit`` was a Python function
+    (submitit's requeue) is handed to it after the backup. Signals outside the set, SIGINT
+    among them, are left alone.
 
     **Gradient accumulation.** Backups (and preemption stops) fall on optimizer-update
     boundaries, where the accumulators are empty.
@@ -123,6 +129,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         check_every: steps between stop agreements of their own across workers (one scalar
             all-reduce each), used only where the stop flag cannot ride in the gradient
             all-reduce (``ShardedOptimizer``); see docs/resilience.md.
+        preemption_signals: the signals that mean "preempted", e.g. ``("SIGTERM",
+            "SIGUSR1")``; must include SIGTERM (default: ``TFDP_PREEMPTION_SIGNALS``, else
+            SIGTERM, plus SIGUSR1 and SIGUSR2 inside a Slurm job).
 
     References:
         TensorFlow's ``BackupAndRestore`` and ``PreemptionCheckpointHandler``; torchrun's
@@ -131,7 +140,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def __init__(self, backup_dir, save_freq="epoch", double_checkpoint=False,
                  delete_checkpoint=True, strategy=None, dataset=None, grace_seconds=None,
-                 check_every=1):
+                 check_every=1, preemption_signals=None):
         super().__init__()
         if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int)
                                      or save_freq < 1):
@@ -144,6 +153,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.delete_checkpoint = delete_checkpoint
         self.grace_seconds = grace_seconds
         self.check_every = check_every
+        resolve_preemption_signals(preemption_signals)  # a wrong set fails here, not in fit
+        self.preemption_signals = preemption_signals
         self._strategy = strategy
         self._dataset = dataset
         self._data, self._data_name = None, None
@@ -158,7 +169,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "double_checkpoint": self.double_checkpoint,
                 "delete_checkpoint": self.delete_checkpoint, "strategy": self._strategy,
                 "dataset": self._dataset, "grace_seconds": self.grace_seconds,
-                "check_every": self.check_every}
+                "check_every": self.check_every, "preemption_signals": self.preemption_signals}
 
     @property
     def training_dataset(self):
@@ -194,7 +205,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._restart_request = None
         self._marked = False
         self._restore()
-        self._watcher = PreemptionWatcher(self.grace_seconds)
+        self._watcher = PreemptionWatcher(self.grace_seconds, signals=self.preemption_signals)
         self._watcher.install()
         self._stop = StopAgreement(self._watcher, self._agreement, self.check_every, strategy)
         if self._num_workers > 1:  # a step traced before would not carry the stop flag
@@ -367,10 +378,16 @@ class BackupAndRestore(keras.callbacks.Callback):
             waited = time.monotonic() - self._watcher.received_at if self._watcher.requested else None
             message = (f"tfdp: preempted: all workers backed up at global step {self._global_step} "
                        f"(epoch {self._epoch}, step {self._step_in_epoch})"
-                       + (f", {waited:.1f} s after SIGTERM" if waited is not None else "")
+                       + (f", {waited:.1f} s after {self._watcher.received_signal.name}"
+                          if waited is not None else "")
                        + f"; exiting with {EXIT_PREEMPTED}")
             log.warning(message)
-            self._watcher.cancel_backstop()
+            try:
+                # Whoever had the signal before fit (submitit: requeue, then exit) acts now that
+                # the backup exists; a hang there still meets the backstop.
+                self._watcher.pass_on()
+            finally:
+                self._watcher.cancel_backstop()
             raise Preempted(message)
         request = self._restart_request
         if self._chief:
