@@ -80,8 +80,11 @@ from tfdp._tf_private.data import (
     skip_end_of_data_agreement,
 )
 from tfdp._tf_private.coordination import (
+    COLLECTIVE_RUNTIME_CONTEXT_METHODS,
     _eager_context,
     coordination_service_configured,
+    eager_context_initialized,
+    preconfigure_collective_runtime,
     publish_to_coordination_service,
     read_from_coordination_service,
     wait_at_coordination_barrier,
@@ -163,6 +166,8 @@ __all__ = [
     # coordination
     "publish_to_coordination_service", "read_from_coordination_service",
     "coordination_service_configured", "wait_at_coordination_barrier",
+    "COLLECTIVE_RUNTIME_CONTEXT_METHODS", "eager_context_initialized",
+    "preconfigure_collective_runtime",
     # keras_trainer
     "patch_keras_fit", "patch_keras_auto_jit_compile", "patch_keras_step_functions", "keras_make_step_function",
     "keras_model_supports_jit", "keras_compute_loss", "keras_call_has_training_arg",

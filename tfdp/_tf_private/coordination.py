@@ -2,12 +2,16 @@
 
 What lives here: publishing and reading a key (tfdp/strategy/devices.py's shared-GPU check),
 whether this process takes part in a service, and waiting at a barrier
-(tfdp/strategy/lifecycle.py's orderly exit). The service is the one MultiWorkerMirroredStrategy's
+(tfdp/strategy/lifecycle.py's orderly exit), and making the eager context join a job's
+collective runtime and coordination service before it starts (tfdp/horovod/_runtime.py:
+``preconfigure_collective_runtime``). The service is the one MultiWorkerMirroredStrategy's
 engine starts on the chief; TensorFlow exposes it only on the eager context. Each entry says why
 no public API serves; tests/test_tf_private.py pins them.
 """
 
 from __future__ import annotations
+
+import copy as _copy
 
 # Why: the orderly exit of a multi-worker job (strategy.py, "Orderly exit") waits at a
 # barrier of TensorFlow's coordination service, the service MultiWorkerMirroredStrategy's
@@ -15,6 +19,21 @@ from __future__ import annotations
 # eager context (tf.experimental.dtensor's barrier uses the same call); there is no public
 # barrier or shutdown for it.
 from tensorflow.python.eager import context as _eager_context
+
+# Why: MultiWorkerMirroredStrategy's engine configures the eager context's collective ops,
+# coordination service and gRPC server in its constructor, which must run before the context
+# initialises ("Collective ops must be configured at program startup"): a Horovod script
+# creates its model (initialising the context) before its first collective. TensorFlow's
+# public API has no call that configures collective ops without initialising the context
+# (tf.config.experimental_connect_to_cluster initialises it, for remote eager, not
+# collectives); these are the calls the engine itself makes, made earlier with the same
+# arguments, so that its own later calls find them done.
+from tensorflow.python.distribute import multi_worker_util as _multi_worker_util
+from tensorflow.core.protobuf import tensorflow_server_pb2 as _server_pb2
+from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2 as _coordination_pb2
+
+from tfdp._tf_private.core import _get
+from tfdp._tf_private.core import require_attributes as _require_attributes
 
 
 # Why: the shared-GPU check of a multi-worker job (devices.py) needs every worker's host and
@@ -42,3 +61,55 @@ def wait_at_coordination_barrier(barrier_id: str, timeout_seconds: float) -> Non
     Raises a ``tf.errors.OpError`` when it times out or the service finds a task dead.
     """
     _eager_context.context().wait_at_barrier(barrier_id, max(1, int(timeout_seconds * 1000)))
+
+
+# --- joining the collective runtime before the context starts (tfdp.horovod) ---------------
+# (Why: see the imports above.)
+# The eager context's methods preconfigure_collective_runtime calls (pinned by
+# tests/test_horovod.py).
+COLLECTIVE_RUNTIME_CONTEXT_METHODS = ("configure_collective_ops",
+                                      "configure_coordination_service", "enable_collective_ops")
+_USED_FOR = "joining a job's collective runtime before the eager context initialises"
+
+
+def eager_context_initialized() -> bool:
+    """Whether TensorFlow's eager context has started (devices fixed, runtime running)."""
+    return _get(_eager_context.context(), "_initialized", _USED_FOR)
+
+
+def preconfigure_collective_runtime(cluster_spec: dict, task_type: str, task_id: int) -> None:
+    """Makes the eager context join the job's collective runtime when it initialises.
+
+    Makes, with the same arguments, the calls MultiWorkerMirroredStrategy's engine makes in
+    ``_initialize_multi_worker`` (collective leader and device filters, the coordination
+    service over the chief and workers, the server definition), without initialising the
+    context. The engine's own calls later find them done (an identical configuration is
+    accepted; the server definition is re-applied).
+
+    Args:
+        cluster_spec: ``{"chief": [...], "worker": [...]}`` (the training ring).
+        task_type, task_id: this process's task.
+
+    Raises:
+        RuntimeError: the context has initialised already.
+    """
+    context = _eager_context.context()
+    _require_attributes(type(context), COLLECTIVE_RUNTIME_CONTEXT_METHODS, _USED_FOR)
+    if eager_context_initialized():
+        raise RuntimeError("TensorFlow's runtime has started already")
+    spec = _multi_worker_util.normalize_cluster_spec(cluster_spec)
+    context.configure_collective_ops(
+        collective_leader=_multi_worker_util.collective_leader(spec, task_type, task_id),
+        scoped_allocator_enabled_ops=("CollectiveReduce",),
+        device_filters=(f"/job:{task_type}/task:{task_id}",))
+    if context.coordination_service is None:
+        jobs = [_coordination_pb2.CoordinatedJob(name=job, num_tasks=spec.num_tasks(job))
+                for job in ("chief", "worker") if job in spec.jobs]
+        context.configure_coordination_service(
+            service_type="standalone",
+            service_leader=_multi_worker_util.coordination_leader(spec),
+            coordinated_jobs=jobs)
+    server_def = _server_pb2.ServerDef(
+        cluster=spec.as_cluster_def(), default_session_config=_copy.deepcopy(context.config),
+        job_name=task_type, task_index=task_id, protocol="grpc", port=0)
+    context.enable_collective_ops(server_def)

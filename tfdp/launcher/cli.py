@@ -417,8 +417,9 @@ def _parser():
         usage="tfdp-run (--workers N | --hosts H:N,... | --hostfile FILE) [options] -- CMD ...",
         epilog="Reference: docs/launcher.md")
     add = parser.add_argument
-    add("--workers", type=int, default=None,
-        help="number of worker processes (on this machine unless --hosts/--hostfile)")
+    add("--workers", "-np", type=int, default=None,
+        help="number of worker processes (on this machine unless --hosts/--hostfile); -np "
+             "is horovodrun's spelling")
     add("--cpu-replicas", type=int, default=None,
         help="logical CPU replicas per worker (sets TFDP_CPU_REPLICAS)")
     add("--max-restarts", type=int, default=0,
@@ -448,8 +449,9 @@ def _parser():
                           "tfdp-run sets TF_CPP_MIN_LOG_LEVEL=2 unless it is set)")
     hosts = parser.add_argument_group("many hosts (over ssh)")
     where = hosts.add_mutually_exclusive_group()
-    where.add_argument("--hosts", default=None,
-                       help="HOST:SLOTS,... e.g. a:2,b:2; localhost runs here without ssh")
+    where.add_argument("--hosts", "-H", default=None,
+                       help="HOST:SLOTS,... e.g. a:2,b:2; localhost runs here without ssh (-H "
+                            "is horovodrun's spelling)")
     where.add_argument("--hostfile", default=None, help="lines 'HOST slots=N'; # comments")
     hosts.add_argument("--address", action="append", default=[], metavar="HOST=ADDR",
                        help="the address peers dial for HOST's workers (default: the name)")

@@ -1,0 +1,371 @@
+"""tfdp.horovod: Horovod's API on tfdp (issue 34).
+
+In-process (quick): the ranks' definitions, the errors before ``init()``, ``tfdp-run -np``/
+``-H``, DistributedOptimizer's class and saving, the learning-rate callbacks' schedules, and
+the TensorFlow-private calls ``init()`` relies on. Multi-process (slow, real ``tfdp-run``
+jobs, each bounded by a timeout): every collective against numpy in one job per size; a
+Horovod-style Keras ``fit`` and Horovod's custom loops, each from different random weights on
+every rank, against one process trained on the same global batches.
+"""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp.horovod as hvd
+import tfdp.horovod.keras as hvd_keras
+from helpers import classification_data, mlp
+from launching import run_job, tfdp_run_command, worker_env, worker_script
+from tfdp import _tf_private
+from tfdp.cluster import ClusterConfig
+from tfdp.horovod import _runtime
+from tfdp.launcher.cli import parse_args
+
+LAUNCH_TIMEOUT = 180
+LOCAL_BATCH = 8
+multiworker = [pytest.mark.slow, pytest.mark.multiworker]
+
+
+def launch(tmp_path, script, workers=2, **env):
+    environ = worker_env(TFDP_TEST_OUT=tmp_path, TF_CPP_MIN_LOG_LEVEL=2, **env)
+    code, out = run_job(tfdp_run_command(worker_script(script), workers=workers,
+                                         flags=["--output", "all"]), environ, LAUNCH_TIMEOUT)
+    assert code == 0, out[-4000:]
+    return out
+
+
+# --- ranks and errors ---------------------------------------------------------------------
+
+def cluster(workers, rank):
+    spec = {"worker": list(workers)}
+    return ClusterConfig(workers=list(workers), task_type="worker", task_index=rank,
+                         cluster_spec=spec)
+
+
+def test_local_and_cross_ranks_follow_horovods_definitions():
+    hosts = ["a:1", "a:2", "b:1", "b:2", "c:1", "c:2"]
+    seen = [_runtime.placement(cluster(hosts, r)) for r in range(6)]
+    assert [p.local_rank for p in seen] == [0, 1, 0, 1, 0, 1]
+    assert [p.local_size for p in seen] == [2] * 6
+    assert [p.cross_rank for p in seen] == [0, 0, 1, 1, 2, 2]
+    assert [p.cross_size for p in seen] == [3] * 6
+    assert all(p.homogeneous for p in seen)
+    uneven = [_runtime.placement(cluster(["a:1", "a:2", "a:3", "b:1"], r)) for r in range(4)]
+    assert [(p.local_rank, p.local_size, p.cross_rank, p.cross_size) for p in uneven] == [
+        (0, 3, 0, 2), (1, 3, 0, 1), (2, 3, 0, 1), (0, 1, 1, 2)]
+    assert not uneven[0].homogeneous
+    single = _runtime.placement(ClusterConfig.single_worker())
+    assert (single.rank, single.size, single.local_rank, single.local_size) == (0, 1, 0, 1)
+
+
+def test_calls_before_init_raise_horovods_error():
+    hvd.shutdown()
+    assert not hvd.is_initialized()
+    for query in (hvd.size, hvd.rank, hvd.local_rank, hvd.local_size, hvd.cross_rank,
+                  hvd.cross_size, hvd.mpi_threads_supported):
+        with pytest.raises(ValueError, match=r"Horovod has not been initialized; use hvd.init\(\)"):
+            query()
+    with pytest.raises(ValueError, match="not been initialized"):
+        hvd.allreduce(tf.constant(1.0))
+    assert (hvd.mpi_enabled(), hvd.gloo_enabled(), hvd.mpi_built()) == (False, False, False)
+
+
+def test_unimplemented_names_say_what_to_use():
+    with pytest.raises(AttributeError, match="--max-restarts"):
+        hvd.elastic  # noqa: B018
+    with pytest.raises(AttributeError, match="synchronized=True"):
+        hvd_keras.SyncBatchNormalization  # noqa: B018
+    assert not hasattr(hvd, "no_such_name")
+    with pytest.raises(NotImplementedError, match="tfdp.data"):
+        hvd.join()
+    with pytest.raises(NotImplementedError, match="process sets"):
+        hvd.add_process_set([0])
+    with pytest.raises(NotImplementedError, match="Adasum"):
+        hvd.collectives._resolve_op(None, hvd.Adasum)
+
+
+def test_tf_private_calls_init_relies_on_exist():
+    context = _tf_private._eager_context.context()
+    _tf_private.require_attributes(type(context),
+                                   _tf_private.COLLECTIVE_RUNTIME_CONTEXT_METHODS, "test")
+    assert isinstance(_tf_private.eager_context_initialized(), bool)
+    from tfdp._tf_private import coordination as area
+    spec = {"worker": ["h:1", "h:2"]}
+    leader = "/job:worker/replica:0/task:0"
+    assert area._multi_worker_util.collective_leader(spec, "worker", 1) == leader
+    assert area._multi_worker_util.coordination_leader(spec) == leader
+    assert area._coordination_pb2.CoordinatedJob(name="worker", num_tasks=2).num_tasks == 2
+    assert hasattr(area._server_pb2, "ServerDef")
+    # The area's public names are the package's (tfdp._tf_private's rule).
+    public = ["COLLECTIVE_RUNTIME_CONTEXT_METHODS", "eager_context_initialized",
+              "preconfigure_collective_runtime"]
+    assert all(getattr(_tf_private, n) is getattr(area, n) and n in _tf_private.__all__
+               for n in public)
+    # This process's context runs already: init() refuses clearly with several workers.
+    assert _tf_private.eager_context_initialized()
+    with pytest.raises(RuntimeError, match="has started already"):
+        _tf_private.preconfigure_collective_runtime(spec, "worker", 0)
+
+
+def test_init_after_the_runtime_started_says_to_move_it(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", json.dumps(
+        {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker",
+                                                                         "index": 0}}))
+    hvd.shutdown()
+    with pytest.raises(RuntimeError, match="top of the script|another job"):
+        hvd.init()
+    assert not hvd.is_initialized()
+
+
+# --- tfdp-run's horovodrun spellings ----------------------------------------------------------
+
+def test_np_is_workers_and_H_is_hosts():
+    args = parse_args(["-np", "4", "python", "train.py"])
+    assert args.workers == 4 and args.host_list is None and args.command == ["python", "train.py"]
+    args = parse_args(["-np", "4", "-H", "a:2,b:2", "--", "python", "train.py", "--lr", "1"])
+    assert args.workers == 4 and [(h.name, h.slots) for h in args.host_list] == [("a", 2), ("b", 2)]
+    assert args.command == ["python", "train.py", "--lr", "1"]
+    args = parse_args(["-H", "localhost:3", "python", "train.py"])
+    assert args.workers == 3
+
+
+def test_np_must_agree_with_the_hosts_slots(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["-np", "3", "-H", "a:2,b:2", "python", "train.py"])
+    assert "--workers 3 but the hosts have 4 slots" in capsys.readouterr().err
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("a slots=2\nb slots=2\n")
+    args = parse_args(["-np", "4", "--hostfile", str(hostfile), "python", "train.py"])
+    assert args.workers == 4 and len(args.host_list) == 2
+    with pytest.raises(SystemExit):
+        parse_args(["-H", "a:1", "--hostfile", str(hostfile), "python", "train.py"])
+
+
+# --- one process: the optimizer and the callbacks ---------------------------------------------
+
+@pytest.fixture
+def initialized():
+    hvd.init()
+    yield
+    hvd.shutdown()
+
+
+def test_distributed_optimizer_keeps_class_config_and_saves_plain(initialized, tmp_path):
+    adam = keras.optimizers.Adam(0.01, global_clipnorm=0.5)
+    optimizer = hvd.DistributedOptimizer(adam, backward_passes_per_step=2)
+    assert isinstance(optimizer, keras.optimizers.Adam) and type(optimizer).__name__ == "Adam"
+    assert optimizer.global_clipnorm == 0.5 and optimizer.gradient_accumulation_steps == 2
+    with pytest.raises(ValueError, match="already"):
+        hvd.DistributedOptimizer(optimizer)
+    with pytest.raises(TypeError, match="Keras 3 optimizer"):
+        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
+    x, y = classification_data(n=32)
+    model = mlp()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    path = tmp_path / "m.keras"
+    model.save(path)
+    plain = keras.models.load_model(path)
+    assert type(plain.optimizer) is keras.optimizers.SGD
+    loaded = hvd_keras.load_model(path)
+    assert hvd.optimizer.is_distributed_optimizer(loaded.optimizer)
+    assert int(loaded.optimizer.iterations) == 4
+    loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)  # trains on: state kept
+
+
+class LearningRates(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        self.seen.append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))
+
+    def on_train_begin(self, logs=None):
+        self.seen = []
+
+
+def fit_recording_learning_rates(callback, epochs=3, steps=3):
+    x, y = classification_data(n=8 * steps)
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    record = LearningRates()
+    history = model.fit(x, y, batch_size=8, epochs=epochs, verbose=0,
+                        callbacks=[callback, record])
+    return record.seen, history.history
+
+
+def test_warmup_follows_horovods_formula(initialized, monkeypatch):
+    size = 4
+    monkeypatch.setattr(_runtime.state, "placement",
+                        _runtime.Placement(0, size, 0, size, 0, 1, True))
+    seen, history = fit_recording_learning_rates(
+        hvd_keras.callbacks.LearningRateWarmupCallback(0.8, warmup_epochs=2,
+                                                       momentum_correction=False))
+    steps = 3
+    want = [0.8 / size * ((e + b / steps + 1 / steps) * (size - 1) / 2 + 1)
+            for e in range(2) for b in range(steps)]
+    np.testing.assert_allclose(seen[:6], want, rtol=1e-6)
+    np.testing.assert_allclose(seen[6:], [seen[5]] * 3, rtol=1e-6)  # after warm-up: untouched
+    np.testing.assert_allclose(history["lr"], [want[2], want[5], want[5]], rtol=1e-6)
+
+
+def test_schedule_is_a_staircase_between_its_epochs(initialized):
+    seen, _ = fit_recording_learning_rates(
+        hvd_keras.callbacks.LearningRateScheduleCallback(
+            1.0, lambda epoch: 0.5 ** epoch, start_epoch=1, end_epoch=3), epochs=4, steps=2)
+    np.testing.assert_allclose(seen, [0.1, 0.1, 0.5, 0.5, 0.25, 0.25, 0.25, 0.25], rtol=1e-6)
+
+
+# --- many processes ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_every_collective_matches_numpy(tmp_path, workers):
+    launch(tmp_path, "hvd_collectives.py", workers=workers)
+    for rank in range(workers):
+        result = json.loads((tmp_path / f"collectives-{rank}.json").read_text())
+        assert result["failures"] == [], f"rank {rank}: {result['failures']}"
+        assert result["checks"] >= 90
+
+
+def weights(saved, prefix):
+    count = sum(1 for k in saved.files if k.startswith(prefix))
+    return [saved[f"{prefix}{k}"] for k in range(count)]
+
+
+def global_batches(x, y, workers, steps=None):
+    """The union of the ranks' ``.shard(workers, rank).batch(LOCAL_BATCH)`` batches at each
+    step: the contiguous global batch of workers * LOCAL_BATCH examples."""
+    batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(workers * LOCAL_BATCH)
+    return batches if steps is None else batches.take(steps)
+
+
+def assert_same_weights(got, want, what):
+    for k, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=f"{what}: weight {k}")
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_horovod_keras_fit_trains_like_one_process(tmp_path):
+    launch(tmp_path, "hvd_keras_fit.py", HVD_LOCAL_BATCH=LOCAL_BATCH, HVD_EPOCHS=2)
+    ranks = [np.load(tmp_path / f"fit-{r}.npz") for r in range(2)]
+    starts = [weights(saved, "init_") for saved in ranks]
+    assert not np.allclose(starts[0][0], starts[1][0]), "the ranks started from one weight set"
+
+    x, y = classification_data(n=96)
+    reference = mlp()
+    reference.set_weights(starts[0])  # BroadcastGlobalVariablesCallback(0)
+    reference.compile(optimizer=keras.optimizers.Adam(0.01, global_clipnorm=0.5),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    # The guard: global_clipnorm acts (the global gradient's norm is above it at the start),
+    # so equal weights show that the processes clip the reduced gradient, as one process.
+    first_x, first_y = next(iter(global_batches(x, y, 2)))
+    with tf.GradientTape() as tape:
+        value = reference.compute_loss(x=first_x, y=first_y, y_pred=reference(first_x))
+    norm = tf.linalg.global_norm(tape.gradient(value, reference.trainable_variables))
+    assert float(norm) > 0.5 * 1.2, float(norm)
+    history = reference.fit(global_batches(x, y, 2), epochs=2, verbose=0).history
+    for rank, saved in enumerate(ranks):
+        assert_same_weights(weights(saved, "final_"), reference.get_weights(), f"rank {rank}")
+        # MetricAverageCallback: every rank logs the mean, the global batch's loss.
+        np.testing.assert_allclose(saved["loss"], history["loss"], rtol=1e-5)
+
+    # backward_passes_per_step=2 (passes summed): Keras's accumulation of 2 (the mean) at
+    # twice the learning rate, for plain SGD.
+    accumulated = mlp()
+    accumulated.set_weights(weights(ranks[0], "final_"))
+    accumulated.compile(optimizer=keras.optimizers.SGD(0.2, gradient_accumulation_steps=2),
+                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    accumulated.fit(global_batches(x, y, 2), epochs=1, verbose=0)
+    for rank, saved in enumerate(ranks):
+        assert_same_weights(weights(saved, "passes_"), accumulated.get_weights(),
+                            f"backward_passes_per_step=2, rank {rank}")
+
+    saved_models = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".keras")
+    assert saved_models == ["model.keras"]
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert_same_weights(loaded.get_weights(), reference.get_weights(), "the saved model")
+    assert type(loaded.optimizer) is keras.optimizers.Adam
+
+
+def tape_reference(x, y, starts, workers, steps):
+    """Horovod's example: step 0's gradient is the mean of each rank's gradient at its own
+    weights on its own batch, applied to rank 0's weights; then one process on the global
+    batches."""
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model = mlp()
+    grads = []
+    for rank in range(workers):
+        model.set_weights(starts[rank])
+        first = np.arange(rank, workers * LOCAL_BATCH, workers)  # .shard's first local batch
+        with tf.GradientTape() as tape:
+            value = loss(y[first], model(x[first], training=True))
+        grads.append(tape.gradient(value, model.trainable_variables))
+    model.set_weights(starts[0])
+    optimizer = keras.optimizers.Adam(0.01)
+    mean = [tf.add_n(list(g)) / workers for g in zip(*grads)]
+    optimizer.apply_gradients(zip(mean, model.trainable_variables))
+    for images, labels in global_batches(x, y, workers).skip(1).take(steps - 1):
+        with tf.GradientTape() as tape:
+            value = loss(labels, model(images, training=True))
+        optimizer.apply_gradients(zip(tape.gradient(value, model.trainable_variables),
+                                      model.trainable_variables))
+    return model.get_weights()
+
+
+def optimizer_reference(x, y, start, workers, steps):
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model = mlp()
+    model.set_weights(start)
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    for images, labels in global_batches(x, y, workers, steps):
+        with tf.GradientTape() as tape:
+            value = loss(labels, model(images, training=True))
+        optimizer.apply_gradients(zip(tape.gradient(value, model.trainable_variables),
+                                      model.trainable_variables))
+    return model.get_weights()
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_horovod_custom_loops_train_like_one_process(tmp_path):
+    steps = 5
+    launch(tmp_path, "hvd_custom_loop.py", HVD_LOCAL_BATCH=LOCAL_BATCH, HVD_STEPS=steps)
+    ranks = [np.load(tmp_path / f"loop-{r}.npz") for r in range(2)]
+    x, y = classification_data(n=96)
+
+    starts = [weights(saved, "tape_init_") for saved in ranks]
+    assert not np.allclose(starts[0][0], starts[1][0]), "the ranks started from one weight set"
+    want = tape_reference(x, y, starts, 2, steps)
+    for rank, saved in enumerate(ranks):
+        assert_same_weights(weights(saved, "tape_final_"), want, f"tape loop, rank {rank}")
+
+    start = weights(ranks[0], "optimizer_init_")
+    want = optimizer_reference(x, y, start, 2, steps)
+    for rank, saved in enumerate(ranks):
+        assert_same_weights(weights(saved, "optimizer_final_"), want,
+                            f"DistributedOptimizer loop, rank {rank}")
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_the_example_runs_under_tfdp_run_np(tmp_path):
+    """examples/horovod_keras.py, launched with horovodrun's spelling ``tfdp-run -np 2``."""
+    import os
+    import sys
+
+    from launching import ROOT
+    cmd = [sys.executable, "-m", "tfdp.run", "-np", "2", "--", sys.executable,
+           os.path.join(ROOT, "examples", "horovod_keras.py"), "--epochs", "2",
+           "--warmup_epochs", "1", "--checkpoint_dir", str(tmp_path)]
+    code, out = run_job(cmd, worker_env(TF_CPP_MIN_LOG_LEVEL=2), LAUNCH_TIMEOUT)
+    assert code == 0, out[-4000:]
+    assert "2 process(es)" in out and "test accuracy" in out, out[-4000:]
+    assert "finished gradual learning rate warmup" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1.keras",
+                                                         "checkpoint-2.keras"]
