@@ -460,3 +460,15 @@ def test_without_tensorflow_the_launcher_works_and_tfdp_says_what_to_install():
                          timeout=120, cwd=root)
     assert out.returncode == 0, out.stderr
     assert "ERROR tfdp needs TensorFlow" in out.stdout and "tfdp[cpu]" in out.stdout, out.stdout
+
+
+def test_free_ports_avoid_the_previous_attempts():
+    # A restart must get ports no worker of the previous attempt used; the kernel alone may
+    # hand the same free port out again (seen: a restart over ssh reused 127.0.0.3:43099).
+    from tfdp.launcher.remote import free_ports
+
+    first = free_ports(4)
+    again = free_ports(4, avoid=first)
+    assert len(set(again)) == 4 and not set(first) & set(again)
+    with pytest.raises(OSError, match="no 1 free ports"):
+        free_ports(1, host="127.0.0.1", avoid=range(0, 65536))

@@ -120,6 +120,7 @@ class Launcher:
             raise ValueError(f"output={output!r}: use 'chief' or 'all'")
         self.command = list(command)
         self.policy = policy
+        self._used_ports = set()  # the last attempt's ports: the next one gets others
         self.grace_seconds = grace_seconds
         self.out = out or sys.stdout
         self._lock = threading.Lock()
@@ -302,18 +303,24 @@ class Launcher:
 
     def _place(self, state):
         """Each rank's (host or None, ``host:port``) for this attempt, or a HostUnreachable."""
+        # Fresh ports per attempt: none the previous attempt's workers used (its processes
+        # may still hold them, and a peer must never dial a stale worker).
+        avoid = self._used_ports
         if self.slot_hosts is None:
-            return [None] * state.num_workers, [f"127.0.0.1:{p}"
-                                                for p in free_ports(state.num_workers)]
+            ports = free_ports(state.num_workers, avoid=avoid)
+            self._used_ports = set(ports)
+            return [None] * state.num_workers, [f"127.0.0.1:{p}" for p in ports]
         hosts = [self.slot_hosts[s] for s in state.slots]
         grouped = ranks_by_host(hosts)
         try:
-            answers = processes.probe(list(grouped), [len(r) for r in grouped.values()], self.ssh)
+            answers = processes.probe(list(grouped), [len(r) for r in grouped.values()], self.ssh,
+                                      avoid=avoid)
         except processes.HostUnreachableError as e:
             self.log(f"{e}; its worker(s) {[s for s, h in zip(state.slots, hosts) if h == e.host]}"
                      " cannot start")
             return restart_policy.HostUnreachable(e.host.name, grouped[e.host])
         addresses = [None] * state.num_workers
+        self._used_ports = {p for _, ports in answers for p in ports}
         for (host, ranks), (address, ports) in zip(grouped.items(), answers):
             for rank, port in zip(ranks, ports):
                 addresses[rank] = f"{address}:{port}"

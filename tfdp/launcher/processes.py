@@ -70,9 +70,9 @@ _BOOTSTRAP = ('import sys,json;exec(compile(json.loads(sys.stdin.buffer.readline
               '"tfdp_remote","exec"),{"__name__":"__main__"})')
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list:
+def free_ports(n: int, host: str = "127.0.0.1", avoid=()) -> list:
     """``n`` distinct free TCP ports on ``host`` (held open together so they differ)."""
-    return remote.free_ports(n, host)
+    return remote.free_ports(n, host, avoid)
 
 
 def watch_exit(pid: int, key, exits: "queue.Queue"):
@@ -310,11 +310,12 @@ class HostUnreachableError(RuntimeError):
         self.host, self.detail = host, detail
 
 
-def _probe_one(host: Host, count: int, ssh: SshConfig) -> tuple:
+def _probe_one(host: Host, count: int, ssh: SshConfig, avoid=()) -> tuple:
     if host.is_local:
         address = host.interface and remote.interface_address(host.interface)
-        return address or host.default_address, free_ports(count, "")
-    job = json.dumps({"mode": "probe", "ports": count, "interface": host.interface})
+        return address or host.default_address, free_ports(count, "", avoid)
+    job = json.dumps({"mode": "probe", "ports": count, "interface": host.interface,
+                      "avoid": sorted(avoid)})
     try:
         proc = subprocess.run(ssh.argv(host, ssh.remote_command()),
                               input=_remote_source() + (job + "\n").encode(),
@@ -332,8 +333,9 @@ def _probe_one(host: Host, count: int, ssh: SshConfig) -> tuple:
 
 
 def probe(hosts: Sequence[Host], counts: Sequence[int], ssh: SshConfig,
-          retries: int = 5) -> list:
-    """For each host, ``(address peers dial, [count free ports])``; hosts asked in parallel.
+          retries: int = 5, avoid=()) -> list:
+    """For each host, ``(address peers dial, [count free ports])``, none in ``avoid``; hosts
+    asked in parallel.
 
     Raises :class:`HostUnreachableError` (the first host, in order, that ssh could not reach) or
     :class:`ProbeError`."""
@@ -341,7 +343,7 @@ def probe(hosts: Sequence[Host], counts: Sequence[int], ssh: SshConfig,
 
     def ask(i):
         try:
-            results[i] = _probe_one(hosts[i], counts[i], ssh)
+            results[i] = _probe_one(hosts[i], counts[i], ssh, avoid)
         except (HostUnreachableError, ProbeError, SystemExit) as e:
             results[i] = e
 

@@ -44,15 +44,21 @@ def tell(message):
         sys.stderr.flush()
 
 
-def free_ports(count, host=""):
-    """``count`` distinct TCP ports free on ``host`` ("": every interface), held open together."""
-    sockets = []
+def free_ports(count, host="", avoid=()):
+    """``count`` distinct TCP ports free on ``host`` ("": every interface), held open together,
+    none of them in ``avoid`` (the previous attempt's: a restart gets fresh ports even where
+    the kernel would hand the same one out again)."""
+    avoid, sockets, ports = set(avoid), [], []
     try:
-        for _ in range(count):
+        while len(ports) < count:
+            if len(sockets) >= count + min(len(avoid), 192) + 64:  # bounded: fds are finite
+                raise OSError(f"no {count} free ports outside {sorted(avoid)} on {host or 'any'}")
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
             sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
+            s.bind((host, 0))
+            if s.getsockname()[1] not in avoid:
+                ports.append(s.getsockname()[1])
+        return ports
     finally:
         for s in sockets:
             s.close()
@@ -154,7 +160,8 @@ def main():
     job = json.loads(stdin.readline())
     if job["mode"] == "probe":
         address = job.get("interface") and interface_address(job["interface"])
-        print(json.dumps({"ports": free_ports(job["ports"]), "address": address}), flush=True)
+        ports = free_ports(job["ports"], avoid=job.get("avoid", ()))
+        print(json.dumps({"ports": ports, "address": address}), flush=True)
         return 0
     return run(job, stdin)
 
