@@ -48,7 +48,7 @@ from tensorflow.python.ops.control_flow_util import (
     GraphOrParentsInXlaContext as _graph_or_parents_in_xla_context,
 )
 
-# Why: tfdp's step deadline (tfdp/deadline.py) ends a step whose collectives wait past
+# Why: tfdp's step deadline (tfdp/strategy/deadline.py) ends a step whose collectives wait past
 # timeout_seconds. TensorFlow's per-collective timeout would do it, but starts threads that
 # sleep for the whole timeout for every collective (measured: a fast job dies of thread
 # exhaustion). Aborting the collective executor is what TensorFlow's own peer health check

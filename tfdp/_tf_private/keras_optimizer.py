@@ -17,7 +17,7 @@ from tfdp._tf_private.core import _get, _patch, require_attributes
 # Why: Keras 3 reduces gradients only inside the TensorFlow optimizer backend, *after*
 # clipping them (so clipnorm/global_clipnorm act on local gradients). No public hook
 # lets a strategy reduce earlier, so tfdp patches two methods of this class (see
-# tfdp/collectives.py, install_keras_gradient_hooks).
+# tfdp/strategy/collectives.py, install_keras_gradient_hooks).
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
 # Why: LossScaleOptimizer decides "finite or not" from replica 0's local gradients; tfdp

@@ -14,11 +14,11 @@ from collections import namedtuple as _namedtuple
 
 from tfdp._tf_private.core import _get, _patch, _replace
 
-# --- Chief-only writes and agreed decisions (tfdp/chief_writes.py, tfdp/consensus.py) ------
+# --- Chief-only writes and agreed decisions (tfdp/strategy/chief_writes.py, tfdp/strategy/consensus.py) ------
 # A Keras script runs unchanged on several workers: every write below still runs on every
 # worker (saving may need collectives), but only the chief writes at the script's path.
 
-_CHIEF_WRITES = "only the chief writes the script's files (tfdp/chief_writes.py)"
+_CHIEF_WRITES = "only the chief writes the script's files (tfdp/strategy/chief_writes.py)"
 
 
 def patch_keras_file_writers(make) -> None:
@@ -135,7 +135,7 @@ def patch_keras_callback(class_name: str, method: str, make) -> None:
     import keras
 
     _patch(getattr(keras.callbacks, class_name), method, make,
-           "a Keras script on several workers (tfdp/chief_writes.py, tfdp/consensus.py)")
+           "a Keras script on several workers (tfdp/strategy/chief_writes.py, tfdp/strategy/consensus.py)")
 
 
 # Why: Keras's BackupAndRestore keeps every path it writes or deletes in these attributes (set

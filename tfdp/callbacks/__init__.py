@@ -14,15 +14,17 @@ Thin callbacks, one idea each, over the mechanisms in ``tfdp.resilience``:
   (``BackupAndRestore`` does it too when it knows the dataset).
 * ``is_chief`` / ``write_path`` (``chief.py``): only the chief writes to the real path; the
   others write to a private temporary directory and delete it, so any collective that saving
-  needs still runs on every worker (TensorFlow's multi-worker convention).
+  needs still runs on every worker (TensorFlow's multi-worker convention); ``per_worker_path``
+  names a path every worker writes itself (per-worker logs).
 
 Exit codes are ``tfdp.protocol``'s.
 """
 
 from tfdp.callbacks.backup_and_restore import BackupAndRestore, Preempted, RestartRequested
 from tfdp.callbacks.chief import is_chief, write_path
+from tfdp.strategy.chief_writes import per_worker_path
 from tfdp.callbacks.dataset_epoch import DatasetEpoch
 from tfdp.callbacks.straggler_monitor import StragglerMonitor
 
 __all__ = ["BackupAndRestore", "DatasetEpoch", "StragglerMonitor", "Preempted",
-           "RestartRequested", "is_chief", "write_path"]
+           "RestartRequested", "is_chief", "write_path", "per_worker_path"]

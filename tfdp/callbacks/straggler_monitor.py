@@ -183,7 +183,7 @@ class StragglerMonitor(keras.callbacks.Callback):
             return original_step(data)
 
         # It only observes: tfdp's own train steps (which do not call model.train_step) stamp
-        # the batch themselves, and still count this as Keras's step (tfdp.xla).
+        # the batch themselves, and still count this as Keras's step (tfdp.strategy.xla).
         train_step._tfdp_transparent = True
         model.train_step = train_step
         # A train function traced before the hooks existed would not time anything.

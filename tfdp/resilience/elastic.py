@@ -4,7 +4,7 @@ Rules:
 
 * **Progress.** After its first completed training step of an attempt a worker writes
   ``tfdp.protocol.progress_file`` (``mark_progress``); a slot that fails before it exists
-  "could not come back" (``tfdp.supervisor``).
+  "could not come back" (``tfdp.launcher.policy``).
 * **Eviction.** A job may ask to shrink only when tfdp-run launched it with ``--min-workers``
   below the current worker count and restarts left (``membership_allows_eviction``). It asks
   by writing ``tfdp.protocol.EVICT_FILE`` (``request_eviction``, chief only) and exiting with

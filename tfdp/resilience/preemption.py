@@ -31,7 +31,7 @@ Rules:
 * **Stop agreement** (``StopAgreement``). Every worker sums its flag with the others', so they
   all see the stop at the same step, back up at that step and exit together. The flag rides
   in the gradient all-reduce (one more element of its last bucket,
-  ``tfdp.collectives.add_gradient_rider``): it is agreed at every optimizer update and costs
+  ``tfdp.strategy.collectives.add_gradient_rider``): it is agreed at every optimizer update and costs
   no collective of its own. Where no gradient reduction carries it (``ShardedOptimizer``
   reduces its own way, a model without dense gradients, a train step traced before the
   callback started), it is one scalar all-reduce of its own (``Agreement``) every
@@ -225,7 +225,7 @@ class PreemptionWatcher:
 
 
 class _StopFlagRider:
-    """The stop flag as a rider of the gradient all-reduce (``tfdp.collectives``)."""
+    """The stop flag as a rider of the gradient all-reduce (``tfdp.strategy.collectives``)."""
 
     def __init__(self, watcher: PreemptionWatcher):
         self.watcher = watcher

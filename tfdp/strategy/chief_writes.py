@@ -114,7 +114,7 @@ def per_worker_path(path, rank: int | None = None) -> str:
 
     ``{worker}`` in ``path`` becomes the worker's rank; without it the result is
     ``path/worker-<rank>``. For example ``keras.callbacks.TensorBoard(
-    tfdp.chief_writes.per_worker_path("logs/tb"))`` gives each worker its own log directory
+    tfdp.callbacks.per_worker_path("logs/tb"))`` gives each worker its own log directory
     (``logs/tb/worker-0``, ``logs/tb/worker-1``, ...), so TensorBoard shows one run per worker.
 
     Args:

@@ -187,7 +187,7 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             reducing; 0 = one collective per tensor; None = 32 MiB.
         compression: ``None``, ``"fp16"`` or ``"bf16"``: dtype of gradients on the wire.
         timeout_seconds: the longest a step may wait for its peers, so that a peer that
-            never joins gives an error instead of a hang (tfdp.deadline: Keras's steps,
+            never joins gives an error instead of a hang (tfdp.strategy.deadline: Keras's steps,
             tfdp's agreements, ``step_deadline()`` in custom loops; a dead or frozen peer
             is found within ~10 s by TensorFlow's heartbeats). None = 300 s with several
             workers, no deadline in one process.
@@ -285,7 +285,7 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         longer than ``timeout_seconds``, its collectives are aborted and it fails with
         ``DeadlineExceededError`` instead of waiting forever for a peer that never joins
         (a dead or frozen peer is found by TensorFlow's heartbeats without it). Keras's
-        ``fit``/``evaluate`` steps are watched without it. See tfdp/deadline.py.
+        ``fit``/``evaluate`` steps are watched without it. See tfdp/strategy/deadline.py.
 
         Args:
             what: names the step in the error.

@@ -144,7 +144,7 @@ def jit_compile_error(device_type: str, num_replicas_in_sync: int,
     H100 with two logical GPUs: ``Trying to access resource .../replica_1/... located in
     device GPU:1``). One replica has no collective to compile and works; one GPU per worker
     is left to TensorFlow, which compiles GPU collectives itself (not verified: no GPU
-    cluster). ``model.fit`` never gets here: tfdp.xla compiles only each replica's part.
+    cluster). ``model.fit`` never gets here: tfdp.strategy.xla compiles only each replica's part.
 
     Args:
         device_type: ``"CPU"``, ``"GPU"`` or ``"TPU"``, the type of the local replicas.

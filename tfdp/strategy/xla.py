@@ -400,7 +400,7 @@ def _per_input_kind(build, strategy, kind):
     worker has the same steps). TensorFlow's iterator type ignores that difference, so one
     traced function would run an input that needs the agreement without it: a worker that
     runs out first would leave the others waiting in the step's all-reduce. Each call runs
-    under the strategy's step deadline (tfdp.deadline), the first one per function longer."""
+    under the strategy's step deadline (tfdp.strategy.deadline), the first one per function longer."""
     functions = {}
     what = "a training step" if kind == "train" else "an evaluation step"
 
