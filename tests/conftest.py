@@ -68,6 +68,35 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+_SIGNALS_TESTS_SEND = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
+
+
+@pytest.fixture(autouse=True)
+def _no_signal_state_outlives_a_test():
+    """Every test leaves the process's signal handlers as it found them and no preemption
+    backstop armed. A backstop left armed ends this xdist worker with ``os._exit`` a grace
+    period later, in some other test ("node down: Not properly terminated"); a handler left
+    behind changes what the next test's signal does. Found ones are put right and the test
+    that left them fails, named."""
+    import signal
+    import threading
+
+    signals = [getattr(signal, name) for name in _SIGNALS_TESTS_SEND]
+    before = {s: signal.getsignal(s) for s in signals}
+    yield
+    armed = [t for t in threading.enumerate() if isinstance(t, threading.Timer)
+             and getattr(t.function, "__name__", "") == "_backstop" and not t.finished.is_set()]
+    for timer in armed:
+        timer.cancel()
+    changed = [s.name for s in signals
+               if signal.getsignal(s) is not before[s] and before[s] is not None]
+    for s in signals:
+        if before[s] is not None:
+            signal.signal(s, before[s])
+    assert not armed, f"the test left {len(armed)} preemption backstop(s) armed"
+    assert not changed, f"the test left its own handler(s) for {changed}"
+
+
 @pytest.fixture(autouse=True)
 def _alone_when_marked_exclusive(request):
     """A test marked ``exclusive`` judges timing (a healthy run must name no straggler), so it

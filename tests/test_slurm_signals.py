@@ -22,6 +22,7 @@ cancel only their own job ids, and wait for files or job states with deadlines.
 import os
 import signal
 import sys
+import threading
 
 import pytest
 import tensorflow as tf
@@ -119,12 +120,16 @@ def _fit(backup_dir, callbacks=(), **backup_kwargs):
     try:
         model.fit(data, epochs=2, verbose=0, callbacks=[*callbacks, backup])
     except SystemExit as e:
-        # Keras does not call on_train_end when fit raises: end the callback's fit here
-        # (puts the handlers back, stops the backstop), as a process exiting would.
-        backup.on_train_end()
         e.backup = backup
         raise
     return model, backup
+
+
+def _backstops():
+    """The armed backstop timers of preemption watchers in this process (a cancelled one
+    may still be alive for a moment, on its way out)."""
+    return [t for t in threading.enumerate() if isinstance(t, threading.Timer)
+            and getattr(t.function, "__name__", "") == "_backstop" and not t.finished.is_set()]
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +209,38 @@ def test_the_handler_a_signal_had_before_fit_runs_after_the_backup(tmp_path, mon
     assert calls == [(signal.SIGUSR2, 5)]  # once, after the backup of step 5
     assert exit_info.value.code == (-1 if exits else EXIT_PREEMPTED)
     assert signal.getsignal(signal.SIGUSR2) is submitit_like  # put back when fit ended
+
+
+class FailAfterSignal(SignalAt):
+    """Sends the signal at step ``at``, notes the live backstops, then fails the step (a
+    bug in the script, an OOM) before the backup's hook of that step runs."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch, logs)
+        if self.steps[-1] == self.at:
+            self.backstops_during_fit = _backstops()
+            raise RuntimeError("the step failed")
+
+
+@pytest.mark.parametrize("how", ["preempted", "failed"])
+def test_fit_left_by_an_exception_puts_the_handler_back_and_stops_the_backstop(
+        tmp_path, own_handlers, how):
+    # Keras calls on_train_end only when fit returns. Left behind, the watcher would keep
+    # SIGTERM and its backstop would end this process with os._exit(143) a grace period
+    # later, in whatever the process does next (seen: a pytest-xdist worker lost mid-suite).
+    mine = lambda signum, frame: None  # noqa: E731
+    signal.signal(signal.SIGTERM, mine)
+    if how == "preempted":
+        with pytest.raises(SystemExit) as exit_info:
+            _fit(tmp_path, [SignalAt(signal.SIGTERM, at=3)], delete_checkpoint=False)
+        assert exit_info.value.code == EXIT_PREEMPTED
+    else:
+        sender = FailAfterSignal(signal.SIGTERM, at=3)
+        with pytest.raises(RuntimeError, match="the step failed"):
+            _fit(tmp_path, [sender])
+        assert len(sender.backstops_during_fit) == 1  # guard: the signal armed a backstop
+    assert signal.getsignal(signal.SIGTERM) is mine
+    assert _backstops() == []
 
 
 def test_watcher_hands_each_received_signal_on_once(own_handlers):

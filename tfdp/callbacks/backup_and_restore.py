@@ -211,6 +211,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._num_workers > 1:  # a step traced before would not carry the stop flag
             self.model.make_train_function(force=True)
         _running.set_backup(self)
+        # A fit left by an exception (the preemption's own SystemExit included) gets no
+        # on_train_end: without this the process would keep our SIGTERM handler and a live
+        # backstop timer, which ends the process with os._exit once its grace period passes.
+        keras_integration.at_fit_exit(self.model, self._release_signals)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -276,15 +280,21 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._back_up(epoch_complete=True)
 
     def on_train_end(self, logs=None):
+        self._release_signals()
+        if self.delete_checkpoint and self._chief:
+            self._store.delete()
+
+    def _release_signals(self):
+        """Puts back the signal handlers, stops the backstop, forgets this fit (idempotent)."""
         if self._watcher is not None:
             self._watcher.uninstall()
             self._watcher.cancel_backstop()
             self._stop.close()
             if self._num_workers > 1:
                 self.model.train_function = None  # retraced without the stop flag next time
-        _running.set_backup(None)
-        if self.delete_checkpoint and self._chief:
-            self._store.delete()
+            self._watcher = None
+        if _running.backup() is self:
+            _running.set_backup(None)
 
     # --- used by StragglerMonitor -----------------------------------------------------------
     def request_restart(self, rank: int, reason: str):

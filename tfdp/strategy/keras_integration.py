@@ -14,9 +14,12 @@ forgets the job, so a later strategy installs afresh. What it installs:
    ``jit_compile=True`` compiles each replica's part of the step.
 3. Random draws (``randomness.install_keras_hooks``): inside a tfdp replica function, Keras's
    random ops draw for each replica what one device draws for its rows of the global batch.
-4. fit's input (``install_fit_input``): the ``x`` of a running ``fit`` is known to tfdp's
-   callbacks (``fit_input``), so ``BackupAndRestore`` positions the dataset ``fit`` trains
-   on and never a validation pipeline (also installed by that callback itself).
+4. fit's input and exit (``install_fit_input``): the ``x`` of a running ``fit`` is known to
+   tfdp's callbacks (``fit_input``), so ``BackupAndRestore`` positions the dataset ``fit``
+   trains on and never a validation pipeline; and what a callback registers with
+   ``at_fit_exit`` runs however ``fit`` ends (Keras calls ``on_train_end`` only when it
+   returns: a preemption's ``SystemExit`` or a failing step would leave signal handlers and
+   timers behind). Also installed by that callback itself.
 5. With several workers, the stock callbacks and saving: only the chief writes to the user's
    paths (``chief_writes``), and ``EarlyStopping``-style decisions and restored epochs agree
    across workers (``consensus``).
@@ -35,9 +38,10 @@ import functools
 from tfdp import _tf_private
 from tfdp.strategy import chief_writes, collectives, consensus, randomness, xla
 
-__all__ = ["install", "uninstall", "installed", "install_fit_input", "fit_input"]
+__all__ = ["install", "uninstall", "installed", "install_fit_input", "fit_input", "at_fit_exit"]
 
 _FIT_INPUT = "_tfdp_fit_input"  # tfdp's own attribute on a model while its fit runs
+_FIT_EXIT = "_tfdp_fit_exit"  # what runs when that fit ends, however it ends
 
 
 def install(cluster=None) -> None:
@@ -79,15 +83,47 @@ def install_fit_input() -> None:
         @functools.wraps(original)
         def fit(self, *args, **kwargs):
             x = kwargs["x"] if "x" in kwargs else (args[0] if args else None)
-            outer = vars(self).get(_FIT_INPUT)
+            outer = vars(self).get(_FIT_INPUT), vars(self).get(_FIT_EXIT)
             object.__setattr__(self, _FIT_INPUT, (x,))  # past Keras's attribute tracking
+            object.__setattr__(self, _FIT_EXIT, [])
             try:
                 return original(self, *args, **kwargs)
             finally:
-                object.__setattr__(self, _FIT_INPUT, outer)
+                hooks = vars(self).get(_FIT_EXIT) or []
+                object.__setattr__(self, _FIT_INPUT, outer[0])
+                object.__setattr__(self, _FIT_EXIT, outer[1])
+                _run_exit_hooks(hooks)
         return fit
 
     _tf_private.patch_keras_fit(make_fit)
+
+
+def _run_exit_hooks(hooks):
+    # Last registered first, like a stack of context managers; each runs even if one before
+    # raised, and the first error propagates (unless fit's own exception is already on its way).
+    error = None
+    for hook in reversed(hooks):
+        try:
+            hook()
+        except Exception as e:  # noqa: BLE001  run the rest, then report the first
+            error = error or e
+    if error is not None:
+        raise error
+
+
+def at_fit_exit(model, hook) -> bool:
+    """Runs ``hook()`` when the ``fit`` running on ``model`` ends, by return or by exception.
+
+    For clean-up that must not outlive ``fit`` (signal handlers, timers): Keras calls
+    ``on_train_end`` only when ``fit`` returns. Returns False, registering nothing, outside a
+    ``fit`` (or before ``install_fit_input``). A hook should be idempotent: ``on_train_end``
+    may have done the same work already.
+    """
+    hooks = vars(model).get(_FIT_EXIT) if model is not None else None
+    if hooks is None:
+        return False
+    hooks.append(hook)
+    return True
 
 
 def fit_input(model):
