@@ -12,6 +12,8 @@ Thin callbacks, one idea each, over the mechanisms in ``tfdp.resilience``:
   (``RestartRequested``, exit 75).
 * ``DatasetEpoch`` (``dataset_epoch.py``): ``set_epoch`` for a ``tfdp.data`` dataset
   (``BackupAndRestore`` does it too when it knows the dataset).
+* ``RayReport`` (``ray_report.py``): the chief's metrics and checkpoint in Ray Train's
+  ``Result`` (``ray.train.report``); Ray is imported only when ``fit`` starts.
 * ``is_chief`` / ``write_path`` (``chief.py``): only the chief writes to the real path; the
   others write to a private temporary directory and delete it, so any collective that saving
   needs still runs on every worker (TensorFlow's multi-worker convention); ``per_worker_path``
@@ -24,7 +26,8 @@ from tfdp.callbacks.backup_and_restore import BackupAndRestore, Preempted, Resta
 from tfdp.callbacks.chief import is_chief, write_path
 from tfdp.strategy.chief_writes import per_worker_path
 from tfdp.callbacks.dataset_epoch import DatasetEpoch
+from tfdp.callbacks.ray_report import RayReport
 from tfdp.callbacks.straggler_monitor import StragglerMonitor
 
 __all__ = ["BackupAndRestore", "DatasetEpoch", "StragglerMonitor", "Preempted",
-           "RestartRequested", "is_chief", "write_path", "per_worker_path"]
+           "RestartRequested", "RayReport", "is_chief", "write_path", "per_worker_path"]

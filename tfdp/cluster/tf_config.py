@@ -15,6 +15,8 @@ tfdp-run and hand-written set-ups write::
   it out (noted), and the evaluator task itself gets an error saying what to run there.
 * ``ps`` is refused with the reason: parameter servers belong to ParameterServerStrategy.
 * Other top-level keys (``environment``, ``job``, ``rpc_layer``) are accepted and ignored.
+* Ray Train's layout (workers only) is parsed like any other; in a Ray worker whose peers
+  all run on its host, :func:`parse` puts them on 127.0.0.1 (``tfdp.cluster.ray_train``).
 
 The key -> role table and the refused roles are parameters of :func:`parse_dict`, so Vertex
 AI's ``CLUSTER_SPEC`` (``tfdp.cluster.vertex``) reuses the same checks with its own names.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
+from tfdp.cluster import ray_train
 from tfdp.cluster.errors import ClusterConfigError, fail, parse_address
 from tfdp.cluster.layout import Layout
 
@@ -55,8 +58,12 @@ def load_json(text: str, origin: str) -> Any:
 
 
 def parse(text: str, origin: str = "TF_CONFIG") -> Layout:
-    """The ``TF_CONFIG`` JSON ``text`` (``origin`` names it in errors and is the source)."""
-    return parse_dict(load_json(text, origin), origin)
+    """The ``TF_CONFIG`` JSON ``text`` (``origin`` names it in errors and is the source).
+
+    In a Ray Train worker whose peers all run on its host, the addresses are on 127.0.0.1
+    (``tfdp.cluster.ray_train``: Ray names the external interface even when it runs on loopback).
+    """
+    return ray_train.loopback_if_one_host(parse_dict(load_json(text, origin), origin))
 
 
 def parse_dict(config: Any, origin: str = "TF_CONFIG", roles: Mapping[str, str] = ROLES,

@@ -13,7 +13,8 @@ each module states its own rule:
 * ``position``: epoch and position state;
 * ``service``: the tf.data service;
 * ``pipeline``: one worker's stream, batched per replica;
-* ``distributed``: ``distribute`` itself, in named stages.
+* ``distributed``: ``distribute`` itself, in named stages;
+* ``ray_data``: ``from_ray``, a Ray Train worker's Ray Data shard as input (sharded "off").
 
 Example:
 
@@ -29,9 +30,10 @@ from tfdp.data.policy import (SHARD_POLICIES, choose_shard_policy, per_replica_b
                               resume_is_exact, steps_per_epoch)
 from tfdp.data.records import (INDEX_FILENAME, count_records, record_counts, tfrecord_parser,
                                write_tfrecord_shards)
+from tfdp.data.ray_data import from_ray
 from tfdp.data.sources import Files, Service
 
 __all__ = ["distribute", "Files", "Service", "DataShardingError", "per_replica_batch_size",
            "choose_shard_policy", "steps_per_epoch", "resume_is_exact", "latest_distributed",
            "write_tfrecord_shards", "tfrecord_parser", "count_records", "record_counts",
-           "INDEX_FILENAME"]
+           "INDEX_FILENAME", "from_ray"]
