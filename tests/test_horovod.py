@@ -1,14 +1,18 @@
 """tfdp.horovod: Horovod's API on tfdp (issue 34).
 
-In-process (quick): the ranks' definitions, the errors before ``init()``, ``tfdp-run -np``/
-``-H``, DistributedOptimizer's class and saving, the learning-rate callbacks' schedules, and
-the TensorFlow-private calls ``init()`` relies on. Multi-process (slow, real ``tfdp-run``
-jobs, each bounded by a timeout): every collective against numpy in one job per size; a
-Horovod-style Keras ``fit`` and Horovod's custom loops, each from different random weights on
-every rank, against one process trained on the same global batches.
+In-process (quick): the ranks' definitions, the errors before ``init()``, the GPU each
+process of a host takes, horovodrun's flags on ``tfdp-run`` (the pure translation, and one
+TensorFlow-free job), DistributedOptimizer's class and saving, the learning-rate callbacks'
+schedules, the TensorFlow-private calls ``init()`` relies on, and the save rendezvous of a
+sharded optimizer (a fake coordination service). Multi-process (slow, real ``tfdp-run`` jobs,
+each bounded by a timeout): every collective against numpy in one job per size; a
+Horovod-style Keras ``fit`` (on one host, and on two loopback ssh hosts) and Horovod's custom
+loops, each from different random weights on every rank, against one process trained on the
+same global batches; the chief saving a ShardedOptimizer model alone under the strategy.
 """
 
 import json
+import time
 
 import keras
 import numpy as np
@@ -22,7 +26,10 @@ from launching import run_job, tfdp_run_command, worker_env, worker_script
 from tfdp import _tf_private
 from tfdp.cluster import ClusterConfig
 from tfdp.horovod import _runtime
+from tfdp.launcher import horovodrun
 from tfdp.launcher.cli import parse_args
+from tfdp.optimizers import sharded_state
+from test_hosts import sshd  # noqa: F401  (the fixture: a loopback sshd, two "hosts")
 
 LAUNCH_TIMEOUT = 180
 LOCAL_BATCH = 8
@@ -120,6 +127,67 @@ def test_init_after_the_runtime_started_says_to_move_it(monkeypatch):
     assert not hvd.is_initialized()
 
 
+# --- one GPU per process on a shared host --------------------------------------------------
+
+def test_local_gpus_give_each_process_of_a_host_its_own():
+    # One GPU per process: Horovod's gpus[hvd.local_rank()] and the even share agree.
+    assert [_runtime.local_gpus(r, 4, 4, per_process=1) for r in range(4)] == \
+        [(0,), (1,), (2,), (3,)]
+    assert [_runtime.local_gpus(r, 4, 4) for r in range(4)] == [(0,), (1,), (2,), (3,)]
+    # More GPUs than processes: Horovod's one each, or an even share (leftovers unused).
+    assert [_runtime.local_gpus(r, 2, 8, per_process=1) for r in range(2)] == [(0,), (1,)]
+    assert [_runtime.local_gpus(r, 2, 8) for r in range(2)] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert [_runtime.local_gpus(r, 3, 4) for r in range(3)] == [(0,), (1,), (2,)]
+    # Fewer GPUs than processes: shared, round-robin (the engine then uses ring).
+    assert [_runtime.local_gpus(r, 3, 1) for r in range(3)] == [(0,), (0,), (0,)]
+    assert [_runtime.local_gpus(r, 4, 2, per_process=1) for r in range(4)] == \
+        [(0,), (1,), (0,), (1,)]
+    assert _runtime.local_gpus(0, 2, 0) == ()
+
+
+class FakeGPUs:
+    """tf.config's GPU calls on a host with ``count`` GPUs whose runtime has not started."""
+
+    def __init__(self, monkeypatch, count, visible=None):
+        self.gpus = [tf.config.PhysicalDevice(f"/physical_device:GPU:{i}", "GPU")
+                     for i in range(count)]
+        self.visible = list(self.gpus if visible is None else visible)
+        monkeypatch.setattr(_tf_private, "eager_context_initialized", lambda: False)
+        monkeypatch.setattr(tf.config, "list_physical_devices",
+                            lambda kind=None: list(self.gpus) if kind == "GPU" else [])
+        monkeypatch.setattr(tf.config, "get_visible_devices",
+                            lambda kind=None: list(self.visible))
+        monkeypatch.setattr(tf.config, "set_visible_devices", self.set_visible)
+
+    def set_visible(self, devices, kind=None):
+        self.visible = list(devices if isinstance(devices, list) else [devices])
+
+
+def test_init_pins_the_local_ranks_gpu_as_horovod_scripts_do(monkeypatch, caplog):
+    hosts = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3", "10.0.0.2:1"]
+    gpus = FakeGPUs(monkeypatch, 4)
+    with caplog.at_level("INFO", logger="tfdp"):
+        _runtime._pin_local_gpu(_runtime.placement(cluster(hosts, 2)))
+    assert gpus.visible == [gpus.gpus[2]]
+    assert "rank 2 (local rank 2 of 3 on this host) uses /physical_device:GPU:2, GPU 2 of the 4" \
+        in caplog.text
+    # The Horovod script's own pin afterwards picks the same GPU.
+    tf.config.set_visible_devices(tf.config.list_physical_devices("GPU")[2], "GPU")
+    assert gpus.visible == [gpus.gpus[2]]
+    # A script that chose its GPUs before init() keeps them; one process per host: untouched.
+    chosen = FakeGPUs(monkeypatch, 4, visible=[])
+    chosen.visible = [chosen.gpus[3]]
+    _runtime._pin_local_gpu(_runtime.placement(cluster(hosts, 1)))
+    assert chosen.visible == [chosen.gpus[3]]
+    alone = FakeGPUs(monkeypatch, 4)
+    _runtime._pin_local_gpu(_runtime.placement(cluster(hosts, 3)))
+    assert alone.visible == alone.gpus
+    # One GPU, three processes on the host: each takes it (the engine finds them sharing it).
+    one = FakeGPUs(monkeypatch, 1)
+    _runtime._pin_local_gpu(_runtime.placement(cluster(hosts, 1)))
+    assert one.visible == one.gpus
+
+
 # --- tfdp-run's horovodrun spellings ----------------------------------------------------------
 
 def test_np_is_workers_and_H_is_hosts():
@@ -132,16 +200,122 @@ def test_np_is_workers_and_H_is_hosts():
     assert args.workers == 3
 
 
-def test_np_must_agree_with_the_hosts_slots(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        parse_args(["-np", "3", "-H", "a:2,b:2", "python", "train.py"])
-    assert "--workers 3 but the hosts have 4 slots" in capsys.readouterr().err
+def test_np_fills_the_hosts_in_order_as_horovodrun_does(tmp_path, capsys):
+    args = parse_args(["-np", "3", "-H", "a:2,b:2", "python", "train.py"])
+    assert args.workers == 3 and [(h.name, h.slots) for h in args.host_list] == [("a", 2),
+                                                                                  ("b", 1)]
+    assert "hosts are filled in order, as horovodrun does: a:2, b:1" in args.notes[0]
     hostfile = tmp_path / "hosts"
     hostfile.write_text("a slots=2\nb slots=2\n")
-    args = parse_args(["-np", "4", "--hostfile", str(hostfile), "python", "train.py"])
-    assert args.workers == 4 and len(args.host_list) == 2
-    with pytest.raises(SystemExit):
-        parse_args(["-H", "a:1", "--hostfile", str(hostfile), "python", "train.py"])
+    args = parse_args(["-np", "1", "-hostfile", str(hostfile), "python", "train.py"])
+    assert args.workers == 1 and [(h.name, h.slots) for h in args.host_list] == [("a", 1)]
+    for argv, problem in (
+            (["-np", "5", "-H", "a:2,b:2"], "-np 5: the hosts have only 4 slots"),
+            (["--workers", "3", "-H", "a:2,b:2"], "--workers 3 but the hosts have 4 slots"),
+            (["-np", "3", "--workers", "2"], "-np 3 and --workers 2 disagree"),
+            (["-H", "a:1", "--hostfile", str(hostfile)], "not allowed with argument")):
+        with pytest.raises(SystemExit):
+            parse_args([*argv, "python", "train.py"])
+        assert problem in capsys.readouterr().err, argv
+
+
+def translate(*argv, environ=None):
+    """horovodrun.translate of the flags as given, and parse_args's result (which applies it)."""
+    from tfdp.launcher import cli
+
+    parser = cli._parser()
+    given = parser.parse_args([*argv, "python", "train.py"])
+    given.host_list = cli._host_list(parser, given)
+    return (horovodrun.translate(horovodrun.given(given), environ or {}),
+            parse_args([*argv, "python", "train.py"]))
+
+
+def test_horovodruns_elastic_flags_map_onto_restarts_and_min_workers(capsys):
+    t, args = translate("-np", "4", "--min-np", "2", "--max-np", "8", "--reset-limit", "3")
+    assert (t.min_workers, t.max_restarts) == (2, 3)
+    assert (args.workers, args.min_workers, args.max_restarts) == (4, 2, 3)
+    assert any("never adds processes" in n for n in t.notes)
+    t, _ = translate("-np", "4", "--min-np", "4")  # no elasticity asked: no restart needed
+    assert t.min_workers == 4 and t.max_restarts is None
+    for argv, problem in (
+            (["-np", "4", "--min-np", "2"], "--min-np 2 needs --reset-limit R (tfdp-run's "
+                                             "--max-restarts R)"),
+            (["-np", "4", "--max-np", "2"], "--max-np 2 is below -np 4"),
+            (["-np", "4", "--reset-limit", "1", "--max-restarts", "2"], "disagree"),
+            (["-np", "4", "--min-np", "2", "--min-workers", "3", "--max-restarts", "1"],
+             "--min-np 2 and --min-workers 3 disagree"),
+            (["-np", "2", "--min-np", "3", "--reset-limit", "1"],
+             "--min-workers 3: must be between 1 and --workers 2")):
+        with pytest.raises(SystemExit):
+            parse_args([*argv, "python", "train.py"])
+        assert problem in capsys.readouterr().err, argv
+
+
+def test_horovodruns_other_flags_work_or_say_why_not(tmp_path, capsys):
+    t, args = translate("-np", "2", "-p", "2222", "-i", "/keys/job", "--verbose",
+                        "--output-filename", str(tmp_path / "out"), "--start-timeout", "45")
+    assert (args.ssh_port, args.verbose, args.start_timeout) == (2222, True, 45.0)
+    assert args.ssh_option == ["IdentityFile=/keys/job"]
+    assert args.log_dir == str(tmp_path / "out") and "(tfdp-run's --log-dir)" in t.notes[-1]
+    # HOROVOD_START_TIMEOUT when --start-timeout is not given, as horovodrun reads it.
+    t, _ = translate("-np", "2", environ={"HOROVOD_START_TIMEOUT": "90"})
+    assert t.start_timeout == 90.0
+    t, _ = translate("-np", "2", "--start-timeout", "5", environ={"HOROVOD_START_TIMEOUT": "90"})
+    assert t.start_timeout is None
+    assert parse_args(["-np", "2", "python", "t.py"]).start_timeout == 300.0
+    args = parse_args(["-np", "2", "-H", "a:1,b:1", "--network-interfaces", "eth1", "x"])
+    assert [h.interface for h in args.host_list] == ["eth1", "eth1"]
+    args = parse_args(["-np", "2", "-H", "a:1,b:1", "--network-interface", "b=eth2",
+                       "--network-interface", "eth1,", "x"])
+    assert [h.interface for h in args.host_list] == ["eth1", "eth2"]
+    # Every tuning flag is accepted with a note; values are consumed, not taken as the command.
+    t, args = translate("-np", "2", "--fusion-threshold-mb", "64", "--autotune", "--gloo",
+                        "--blacklist-cooldown-range", "10", "100", "--log-level", "INFO",
+                        "--timeline-filename", "t.json")
+    assert args.command == ["python", "train.py"]
+    assert [n.split(":")[0] for n in t.notes] == [
+        "horovodrun's --fusion-threshold-mb 64", "horovodrun's --autotune",
+        "horovodrun's --gloo", "horovodrun's --blacklist-cooldown-range 10 100",
+        "horovodrun's --log-level INFO", "horovodrun's --timeline-filename t.json"]
+    assert "TensorBoard profiler" in t.notes[-1] and "bucket_bytes" in t.notes[0]
+    for argv, problem in (
+            (["--host-discovery-script", "d.sh"], "no host discovery: list the hosts with -H"),
+            (["--slots-per-host", "4"], "no host discovery"),
+            (["--mpi-args=--bind-to none"], "no mpirun: set variables with -x NAME=VALUE"),
+            (["--jsrun"], "no jsrun"), (["--config-file", "c.yaml"], "as flags"),
+            (["-cb"], "hvd.nccl_built()"),
+            (["--network-interfaces", "eth0,eth1"], "name one interface"),
+            (["--network-interface", "eth0,eth1"], "name one interface"),
+            (["--output-filename", "a", "--log-dir", str(tmp_path)], "disagree")):
+        with pytest.raises(SystemExit):
+            parse_args(["-np", "2", *argv, "python", "train.py"])
+        assert problem in capsys.readouterr().err, argv
+
+
+def test_a_horovodrun_command_line_runs_under_tfdp_run(tmp_path):
+    """horovodrun's flags on a real tfdp-run (TensorFlow-free workers): -np, --min-np and
+    --reset-limit drop a slot that fails at every start and continue; --verbose names every
+    worker; --output-filename holds the logs; HOROVOD_START_TIMEOUT and tuning flags noted."""
+    import sys
+
+    plan = {"1@*": "crash:3"}  # slot 1 fails at every start, before joining
+    environ = worker_env(FAKE_OUT=tmp_path, FAKE_PLAN=json.dumps(plan),
+                         HOROVOD_START_TIMEOUT="60")
+    logs = tmp_path / "hvd-out"
+    cmd = [sys.executable, "-m", "tfdp.run", "-np", "2", "--min-np", "1", "--reset-limit", "2",
+           "--verbose", "--output-filename", str(logs), "--fusion-threshold-mb", "32",
+           sys.executable, worker_script("fake_worker.py")]
+    code, out = run_job(cmd, environ, LAUNCH_TIMEOUT)
+    assert code == 0, out
+    assert "horovodrun's --fusion-threshold-mb 32: ignored" in out
+    assert "--start-timeout 60 (from HOROVOD_START_TIMEOUT)" in out
+    assert "rank 0: slot 0, host " in out and ", local rank 0 of 2" in out
+    assert ", local rank 1 of 2" in out and "address 127.0.0.1:" in out
+    assert "worker 1 dropped:" in out, out
+    last = out.split("attempt 2: starting 1 worker(s)")[-1]
+    assert "rank 0: slot 0" in last and "local rank 0 of 1" in last, out
+    assert (logs / "attempt-0" / "worker-1.log").exists()
+    assert (logs / "attempt-2" / "worker-0.log").exists()
 
 
 # --- one process: the optimizer and the callbacks ---------------------------------------------
@@ -248,11 +422,37 @@ def assert_same_weights(got, want, what):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=f"{what}: weight {k}")
 
 
+def launch_over_ssh(tmp_path, sshd, script, **env):
+    """``tfdp-run -np 2 -H tfdp-a:1,tfdp-b:1`` (tests/test_hosts.py's loopback sshd, two
+    "hosts" on 127.0.0.2 and 127.0.0.3), horovodrun's spelling; ``env`` passed with -x."""
+    import sys
+
+    from test_hosts import ADDRESSES
+    environ = worker_env(TFDP_TEST_OUT=tmp_path, TF_CPP_MIN_LOG_LEVEL=2, TMPDIR=tmp_path, **env)
+    passed = [flag for name in env for flag in ("-x", name)]
+    cmd = [sys.executable, "-m", "tfdp.run", "-np", "2", "-H", "tfdp-a:1,tfdp-b:1",
+           "--ssh-config", sshd, *ADDRESSES, *passed, "--output", "all",
+           sys.executable, worker_script(script)]
+    code, out = run_job(cmd, environ, LAUNCH_TIMEOUT)
+    assert code == 0, out[-4000:]
+    return out
+
+
+@pytest.mark.parametrize("where", ["local", "ssh"])
 @pytest.mark.slow
 @pytest.mark.multiworker
-def test_horovod_keras_fit_trains_like_one_process(tmp_path):
-    launch(tmp_path, "hvd_keras_fit.py", HVD_LOCAL_BATCH=LOCAL_BATCH, HVD_EPOCHS=2)
+def test_horovod_keras_fit_trains_like_one_process(tmp_path, where, request):
+    env = dict(HVD_LOCAL_BATCH=LOCAL_BATCH, HVD_EPOCHS=2)
+    if where == "ssh":
+        launch_over_ssh(tmp_path, request.getfixturevalue("sshd"), "hvd_keras_fit.py", **env)
+    else:
+        launch(tmp_path, "hvd_keras_fit.py", **env)
     ranks = [np.load(tmp_path / f"fit-{r}.npz") for r in range(2)]
+    # Horovod's definitions: two processes on one host, or one on each of two hosts.
+    local, cross = ([0, 1], [0, 0]) if where == "local" else ([0, 0], [0, 1])
+    assert [list(saved["ranks"]) for saved in ranks] == [
+        [r, 2, local[r], 2 if where == "local" else 1, cross[r], 1 if where == "local" else 2]
+        for r in range(2)]
     starts = [weights(saved, "init_") for saved in ranks]
     assert not np.allclose(starts[0][0], starts[1][0]), "the ranks started from one weight set"
 
@@ -369,3 +569,78 @@ def test_the_example_runs_under_tfdp_run_np(tmp_path):
     assert "finished gradual learning rate warmup" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1.keras",
                                                          "checkpoint-2.keras"]
+
+
+# --- the rank-0 save with ZeRO (ShardedOptimizer) under the strategy --------------------------
+
+def test_save_wait_grows_with_the_model_and_the_variable_overrides_it():
+    assert sharded_state.save_wait_seconds(0, environ={}) == 10.0
+    assert sharded_state.save_wait_seconds(500_000_000, environ={}) == 20.0
+    assert sharded_state.save_wait_seconds(0, {"TFDP_SAVE_WAIT_SECONDS": "2.5"}) == 2.5
+    for bad in ("0", "-1", "soon"):
+        with pytest.raises(ValueError, match="TFDP_SAVE_WAIT_SECONDS"):
+            sharded_state.save_wait_seconds(0, {"TFDP_SAVE_WAIT_SECONDS": bad})
+
+
+class FakeCoordinationService:
+    """The key-value store as check_every_worker_saves uses it: a read of an absent key
+    times out after the time it was allowed."""
+
+    def __init__(self):
+        self.keys = {}
+        self.waits = []
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(_tf_private, "coordination_service_configured", lambda: True)
+        monkeypatch.setattr(_tf_private, "publish_to_coordination_service", self.keys.__setitem__)
+        monkeypatch.setattr(_tf_private, "read_from_coordination_service", self.read)
+
+    def read(self, key, timeout_seconds):
+        self.waits.append(timeout_seconds)
+        if key not in self.keys:
+            time.sleep(timeout_seconds)
+            raise tf.errors.DeadlineExceededError(None, None, "timed out")
+        return self.keys[key]
+
+
+def test_a_chief_saving_alone_is_told_to_save_on_every_worker(monkeypatch):
+    workers = ["h:1", "h:2", "h:3", "h:4"]
+    service = FakeCoordinationService()
+    service.install(monkeypatch)
+    # A worker other than the chief posts its arrival and goes on to the gather.
+    sharded_state.check_every_worker_saves(cluster(workers, 1), 5.0)
+    number = int(next(iter(service.keys)).split("/")[-2])
+    assert list(service.keys) == [f"tfdp/sharded-save/{number}/1"] and service.waits == []
+    # The chief of the next save: worker 1 is there, 2 and 3 never come; the chief waits
+    # 0.3 s in all, not per worker.
+    service.keys[f"tfdp/sharded-save/{number + 1}/1"] = "1"
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as error:
+        sharded_state.check_every_worker_saves(cluster(workers, 0), 0.3)
+    assert time.monotonic() - started < 0.3 + 0.2
+    message = str(error.value)
+    assert "worker(s) 2, 3 did not reach this save within 0.3 s" in message
+    assert "on every worker" in message and "hvd.rank() == 0" in message
+    assert "TFDP_SAVE_WAIT_SECONDS" in message
+    # Everyone there: the chief returns.
+    service.keys.update({f"tfdp/sharded-save/{number + 2}/{r}": "1" for r in (1, 2, 3)})
+    sharded_state.check_every_worker_saves(cluster(workers, 0), 0.3)
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_the_chief_saving_a_sharded_optimizer_alone_fails_within_seconds(tmp_path):
+    """``if is_chief(strategy): model.save(...)`` with ZeRO on 2 workers used to hang (the
+    chief waited in the state gather forever); it fails within the wait, naming the fix."""
+    environ = worker_env(TFDP_TEST_OUT=tmp_path, TF_CPP_MIN_LOG_LEVEL=2)
+    started = time.time()
+    code, out = run_job(tfdp_run_command(worker_script("hvd_chief_save.py"), workers=2,
+                                         flags=["--output", "all"]), environ, LAUNCH_TIMEOUT)
+    ended = time.time()
+    assert code == 1, out[-4000:]
+    assert "[w1] not saving" in out and "saved after" not in out, out[-4000:]
+    assert "did not reach this save within 10 s" in out, out[-4000:]
+    assert "on every worker" in out and "drop the `if is_chief(...)`" in out
+    saving_at = float(out.split("saving at ")[1].split()[0])
+    # The wait (10 s) plus the chief's exit and tfdp-run stopping the other worker.
+    assert ended - saving_at < 25, (ended - saving_at, ended - started)

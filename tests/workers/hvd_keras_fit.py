@@ -5,8 +5,9 @@ The model is built outside any strategy scope from this process's own random wei
 seed); the dataset is ``.shard(hvd.size(), hvd.rank())``; DistributedOptimizer(Adam with
 global_clipnorm) + BroadcastGlobalVariablesCallback(0) + MetricAverageCallback. Rank 0 saves
 the model once. Each rank writes OUT/fit-<rank>.npz: its initial and final weights and its
-epoch losses (arrays ``init_<k>``, ``final_<k>``, ``loss``), and the weights after one more
-epoch with ``backward_passes_per_step=2`` (``passes_<k>``).
+epoch losses (arrays ``init_<k>``, ``final_<k>``, ``loss``), the weights after one more
+epoch with ``backward_passes_per_step=2`` (``passes_<k>``), and ``ranks``: rank, size,
+local rank, local size, cross rank, cross size.
 
 Env knobs: TFDP_TEST_OUT; HVD_LOCAL_BATCH (default 8); HVD_EPOCHS (default 2).
 """
@@ -56,6 +57,8 @@ model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 model.fit(dataset, epochs=1, verbose=0)
 arrays.update({f"passes_{k}": w for k, w in enumerate(model.get_weights())})
+ranks = [hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(),
+         hvd.cross_size()]
 np.savez(os.path.join(out, f"fit-{hvd.rank()}.npz"), loss=np.array(history.history["loss"]),
-         **arrays)
+         ranks=np.array(ranks), **arrays)
 print(f"rank {hvd.rank()} of {hvd.size()}: done", flush=True)

@@ -18,6 +18,15 @@ The collective engine, one ``tfdp.DataParallelStrategy`` over one local device (
 visible GPU, else ``CPU:0``), is built at the first collective (``engine()``), once the
 script has chosen its devices. Building it joins the job's collective runtime: every
 process must reach its first collective (``tfdp-run --start-timeout``).
+
+One GPU per process (``local_gpus``). Several processes on one host that each see every GPU
+would all compute on GPU 0 (and NCCL refuses two ranks on one GPU). So ``init()``, when this
+process shares its host and the script has not chosen its GPUs yet, makes visible only the GPU
+of its local rank, what Horovod's scripts do themselves with
+``tf.config.set_visible_devices(gpus[hvd.local_rank()], "GPU")``: the script's own call then
+picks the same GPU, and a script that picks another one wins (it runs later). With fewer GPUs
+than processes on the host, local rank ``l`` takes GPU ``l % GPUs``; where processes then
+share a GPU, the engine uses ring collectives and says so.
 """
 
 from __future__ import annotations
@@ -32,7 +41,9 @@ __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_rank", "
            "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported",
            "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built",
            "ddl_built", "ccl_built", "cuda_built", "rocm_built", "engine", "state",
-           "NOT_INITIALIZED"]
+           "NOT_INITIALIZED", "local_gpus"]
+
+log = logging.getLogger("tfdp")
 
 NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
 
@@ -105,6 +116,8 @@ def init(comm=None, process_sets=None):
             state.joined = cluster
         state.cluster = cluster
         state.placement = placement(cluster)
+        if cluster.is_multi_worker and state.strategy is None:
+            _pin_local_gpu(state.placement)
 
 
 def _join_at_startup(cluster: ClusterConfig) -> None:
@@ -120,6 +133,47 @@ def _join_at_startup(cluster: ClusterConfig) -> None:
     _tf_private.preconfigure_collective_runtime(
         {k: list(v) for k, v in cluster.cluster_spec.items()}, cluster.task_type,
         cluster.task_index)
+
+
+def local_gpus(local_rank: int, local_size: int, num_gpus: int,
+               per_process: int | None = None) -> tuple:
+    """Positions, among the GPUs the processes of one host all see, that the process of
+    ``local_rank`` (of ``local_size``) uses; pure.
+
+    Args:
+        per_process: GPUs per process; 1 is Horovod's rule (``gpus[hvd.local_rank()]``);
+            None: an even share, ``[l*k, (l+1)*k)`` with ``k = num_gpus // local_size`` (as
+            tfdp's Slurm path splits a node's GPUs; the last ``num_gpus % local_size`` stay
+            unused). Both give GPU ``l`` with one GPU per process.
+
+    With fewer GPUs than processes, process ``l`` gets GPU ``l % num_gpus`` (shared). No GPU:
+    ``()``.
+    """
+    if num_gpus < 1:
+        return ()
+    if local_size > num_gpus:
+        return (local_rank % num_gpus,)
+    share = num_gpus // local_size if per_process is None else min(per_process,
+                                                                  num_gpus // local_size)
+    return tuple(range(local_rank * share, (local_rank + 1) * share))
+
+
+def _pin_local_gpu(p: Placement) -> None:
+    """Makes only this process's GPU visible (the module docstring, "One GPU per process")."""
+    from tfdp import _tf_private
+    if p.local_size < 2 or _tf_private.eager_context_initialized():
+        return
+    import tensorflow as tf
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus or tf.config.get_visible_devices("GPU") != gpus:
+        return  # no GPU, or the script chose already
+    (position,) = local_gpus(p.local_rank, p.local_size, len(gpus), per_process=1)
+    tf.config.set_visible_devices([gpus[position]], "GPU")
+    # Whether processes then share a GPU is for the engine to say: it compares every worker's
+    # GPU identity (CUDA_VISIBLE_DEVICES may give each process different GPUs).
+    log.info("tfdp.horovod: rank %d (local rank %d of %d on this host) uses %s, GPU %d of "
+             "the %d it sees", p.rank, p.local_rank, p.local_size, gpus[position].name,
+             position, len(gpus))
 
 
 def shutdown():

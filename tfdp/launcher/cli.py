@@ -65,6 +65,7 @@ import tempfile
 import threading
 import time
 
+from tfdp.launcher import horovodrun
 from tfdp.launcher import policy as restart_policy
 from tfdp.launcher import processes
 from tfdp.launcher.hosts import HostsError, parse_hostfile, parse_hosts, ranks_by_host, slot_hosts, \
@@ -87,6 +88,7 @@ TAIL_LINES = 40
 NEVER_JOINED_GRACE_SECONDS = 5.0
 # Quiet TensorFlow's C++ logging (coordination service, gRPC server INFO lines) in workers.
 TF_CPP_LOG_ENV, TF_CPP_QUIET = "TF_CPP_MIN_LOG_LEVEL", "2"
+DEFAULT_START_TIMEOUT = 300.0
 
 
 def tf_configs(num_workers: int, ports, host: str = "127.0.0.1") -> list:
@@ -111,11 +113,12 @@ class Launcher:
         log_dir: where worker logs go; None: a fresh temporary directory.
         pass_env: more variable names remote workers get.
         tf_cpp_logs: let workers print TensorFlow's C++ INFO lines.
+        verbose: log every worker's rank, slot, host and address at each attempt.
     """
 
     def __init__(self, command, policy, cpu_replicas=None, grace_seconds=DEFAULT_GRACE_SECONDS,
                  env=None, out=None, *, hosts=None, ssh=None, output="chief", log_dir=None,
-                 pass_env=(), tf_cpp_logs=False):
+                 pass_env=(), tf_cpp_logs=False, verbose=False):
         if output not in ("chief", "all"):
             raise ValueError(f"output={output!r}: use 'chief' or 'all'")
         self.command = list(command)
@@ -141,6 +144,7 @@ class Launcher:
         self.output = output
         self.log_dir = log_dir
         self.pass_env = tuple(pass_env)
+        self.verbose = verbose
         self.signals: list = []  # signals the launcher itself received, in order
 
     def log(self, message):
@@ -339,6 +343,9 @@ class Launcher:
         attempt = Attempt(self.command, state.slots, state.attempt, self.env, workdir,
                           placed[1], self._logs(state), placed[0], protocol_env, self.ssh,
                           self.pass_env)
+        if self.verbose:
+            for line in horovodrun.describe_workers(state.slots, attempt.hosts, placed[1]):
+                self.log(line)
         try:
             attempt.start()
         except OSError as e:
@@ -421,15 +428,15 @@ class Launcher:
 def _parser():
     parser = argparse.ArgumentParser(
         prog="tfdp-run", description="Start tfdp workers with TF_CONFIG, here or over ssh.",
-        usage="tfdp-run (--workers N | --hosts H:N,... | --hostfile FILE) [options] -- CMD ...",
+        usage="tfdp-run (--workers N | -np N | --hosts H:N,... | --hostfile FILE) [options] -- "
+              "CMD ...",
         epilog="Reference: docs/launcher.md")
     add = parser.add_argument
-    add("--workers", "-np", type=int, default=None,
-        help="number of worker processes (on this machine unless --hosts/--hostfile); -np "
-             "is horovodrun's spelling")
+    add("--workers", type=int, default=None,
+        help="number of worker processes (on this machine unless --hosts/--hostfile)")
     add("--cpu-replicas", type=int, default=None,
         help="logical CPU replicas per worker (sets TFDP_CPU_REPLICAS)")
-    add("--max-restarts", type=int, default=0,
+    add("--max-restarts", type=int, default=None,
         help="restart all workers after a failure, up to this many times over the whole job "
              "(default 0: no restart)")
     add("--min-workers", type=int, default=None,
@@ -441,9 +448,9 @@ def _parser():
              f"{DEFAULT_GRACE_SECONDS:g}; sets {GRACE_ENV})")
     add("--timeout", type=float, default=None,
         help="stop the job after this many seconds, across restarts (exit 124)")
-    add("--start-timeout", type=float, default=300.0,
+    add("--start-timeout", type=float, default=None,
         help="seconds (per attempt) for every worker to create its DataParallelStrategy (join "
-             "the cluster); 0 disables the check (exit 125)")
+             f"the cluster; default {DEFAULT_START_TIMEOUT:g}); 0 disables the check (exit 125)")
     out = parser.add_argument_group("output")
     out.add_argument("--output", choices=("chief", "all"), default="chief",
                      help="chief (default): the terminal shows the chief's output; all: every "
@@ -459,7 +466,8 @@ def _parser():
     where.add_argument("--hosts", "-H", default=None,
                        help="HOST:SLOTS,... e.g. a:2,b:2; localhost runs here without ssh (-H "
                             "is horovodrun's spelling)")
-    where.add_argument("--hostfile", default=None, help="lines 'HOST slots=N'; # comments")
+    where.add_argument("--hostfile", "-hostfile", default=None,
+                       help="lines 'HOST slots=N'; # comments")
     hosts.add_argument("--address", action="append", default=[], metavar="HOST=ADDR",
                        help="the address peers dial for HOST's workers (default: the name)")
     hosts.add_argument("--network-interface", action="append", default=[],
@@ -468,13 +476,14 @@ def _parser():
     hosts.add_argument("--env", "-x", action="append", default=[], metavar="NAME[=VALUE]",
                        help="pass this variable to remote workers too (TF_*, TFDP_*, CUDA_*, "
                             "NCCL_*, PYTHONPATH always are); =VALUE sets it for every worker")
-    hosts.add_argument("--ssh-port", type=int, default=None, help="ssh -p PORT")
+    hosts.add_argument("--ssh-port", "-p", type=int, default=None, help="ssh -p PORT")
     hosts.add_argument("--ssh-config", default=None, help="ssh -F FILE")
     hosts.add_argument("--ssh-option", action="append", default=[], metavar="OPTION",
                        help="ssh -o OPTION (repeatable), e.g. IdentityFile=~/.ssh/job")
     hosts.add_argument("--ssh-python", default=None,
                        help="the Python tfdp-run's remote helper runs with (default: this "
                             "Python's path if it exists there, else python3)")
+    horovodrun.add_flags(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
     return parser
 
@@ -518,9 +527,15 @@ def parse_args(argv):
     parser = _parser()
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:  # horovodrun's flags in tfdp-run's terms (tfdp/launcher/horovodrun.py)
+        args.network_interface = horovodrun.network_interfaces(
+            args.network_interface + args.network_interfaces)
+        args.host_list = _host_list(parser, args)
+        horovodrun.apply(args, os.environ, DEFAULT_START_TIMEOUT)
+    except horovodrun.HorovodrunFlagError as e:
+        parser.error(str(e))
     if not command:
         parser.error("no command given; write: tfdp-run --workers 2 -- python train.py")
-    args.host_list = _host_list(parser, args)
     if args.host_list is not None:
         slots = sum(h.slots for h in args.host_list)
         if args.workers not in (None, slots):
@@ -571,7 +586,9 @@ def main(argv=None) -> int:
     launcher = Launcher(args.command, policy, cpu_replicas=args.cpu_replicas,
                         grace_seconds=args.grace_period, env=env, hosts=args.host_list, ssh=ssh,
                         output=args.output, log_dir=args.log_dir, pass_env=args.env_names,
-                        tf_cpp_logs=args.tf_cpp_logs)
+                        tf_cpp_logs=args.tf_cpp_logs, verbose=args.verbose)
+    for note in args.notes:
+        launcher.log(note)
     code = launcher.run(timeout=args.timeout, start_timeout=args.start_timeout)
     launcher.log(f"job finished with exit code {code}")
     return code

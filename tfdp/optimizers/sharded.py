@@ -71,7 +71,8 @@ stores each sharded slot, accumulator and EMA copy as one full array, gathered f
 owner: the files do not depend on the replica count, and loading them into any number of
 replicas (4 -> 2, 2 -> 1, 1 -> 4) hands each new owner its state. With several workers,
 saving gathers over the network, so every worker must save (the chief to the real path, the
-others to a temporary one: tfdp.callbacks does this). A ``LossScaleOptimizer`` around a
+others to a temporary one: tfdp.callbacks does this); a chief that saves alone fails within
+seconds with an error naming the fix (sharded_state.py, "Saving on several workers"). A ``LossScaleOptimizer`` around a
 ShardedOptimizer saves only its own loss-scale variables; the ShardedOptimizer saves the rest
 (Keras's LossScaleOptimizer would also store every variable of the wrapped optimizer
 positionally, which with several workers depends on who owns what).

@@ -10,10 +10,20 @@ moments; created on every replica, then moved to the owner's device). Anything e
 creates is shared by all variables and stays on every replica. A sharded slot, accumulator or
 EMA copy is saved as one full array gathered from its owner, whatever its shape, so files do
 not depend on the replica or worker count.
+
+Saving on several workers (``check_every_worker_saves``). That gather is a collective: every
+worker must save (tfdp writes only the chief's file at the script's path). Before it, each
+worker posts its arrival in the coordination service's key-value store, and the chief waits at
+most ``save_wait_seconds`` for the others': a chief that saves alone (Horovod's ``if
+hvd.rank() == 0: model.save(...)``) fails then, without having entered the collective, with an
+error naming the fix, instead of waiting in the gather forever.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -24,7 +34,20 @@ from tfdp.optimizers import packing
 from tfdp.strategy import collectives, is_data_parallel
 
 __all__ = ["StatePlacement", "ConsolidatedState", "variable_bytes_per_device",
-           "optimizer_state_bytes_per_replica", "install_loss_scale_saving_hooks"]
+           "optimizer_state_bytes_per_replica", "install_loss_scale_saving_hooks",
+           "save_wait_seconds", "check_every_worker_saves", "SAVE_WAIT_ENV"]
+
+# Seconds the chief waits at a save for the other workers to reach it (a number > 0); the
+# default is save_wait_seconds's.
+SAVE_WAIT_ENV = "TFDP_SAVE_WAIT_SECONDS"
+# Workers that all save arrive at the gather apart by what they did differently since their
+# last common step: callbacks' and Keras's writing of the layers, which happen first (to the
+# script's path on the chief, to a local temporary directory on the others), at no less than
+# a slow disk's rate. 10 s covers the rest (Python, small files) many times over.
+_SAVE_WAIT_BASE_SECONDS = 10.0
+_SAVE_WAIT_BYTES_PER_SECOND = 50e6
+_SAVE_KEY = "tfdp/sharded-save"
+_saves = itertools.count()  # this process's consolidations, in order: the same on every worker
 
 
 def _is_stand_in(variable) -> bool:
@@ -171,6 +194,59 @@ class StatePlacement:
         return slots, kept
 
 
+def save_wait_seconds(model_bytes: int, environ=None) -> float:
+    """How long the chief waits at a save for the other workers; pure.
+
+    ``TFDP_SAVE_WAIT_SECONDS`` when set, else 10 s plus the time to write ``model_bytes`` (the
+    layers, written before the optimizer) at 50 MB/s.
+    """
+    environ = os.environ if environ is None else environ
+    text = environ.get(SAVE_WAIT_ENV, "").strip()
+    if text:
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            raise ValueError(f"{SAVE_WAIT_ENV}={text!r} must be a number of seconds > 0.")
+        return value
+    return round(_SAVE_WAIT_BASE_SECONDS + model_bytes / _SAVE_WAIT_BYTES_PER_SECOND, 1)
+
+
+def check_every_worker_saves(cluster, wait_seconds: float) -> None:
+    """Returns when every worker has reached this save (the chief waits at most
+    ``wait_seconds``; the others post their arrival and return); see the module docstring.
+
+    Raises:
+        RuntimeError (on the chief): some worker did not arrive; the message names the fix.
+    """
+    if not _tf_private.coordination_service_configured():
+        return  # no job-wide service: nothing to ask (not a tfdp-run / TF_CONFIG job)
+    key = f"{_SAVE_KEY}/{next(_saves)}"
+    _tf_private.publish_to_coordination_service(f"{key}/{cluster.rank}", "1")
+    if cluster.rank != 0:
+        return  # the chief decides; a worker that saves while the chief does not is unheard of
+    deadline = time.monotonic() + wait_seconds
+    missing = []
+    for rank in range(1, cluster.num_workers):
+        try:
+            _tf_private.read_from_coordination_service(
+                f"{key}/{rank}", max(0.001, deadline - time.monotonic()))
+        except tf.errors.OpError:
+            missing.append(rank)
+    if missing:
+        workers = ", ".join(map(str, missing))
+        raise RuntimeError(
+            f"ShardedOptimizer: saving gathers the optimizer state, which is sharded across "
+            f"the {cluster.num_workers} workers, from every worker, but worker(s) {workers} "
+            f"did not reach this save within {wait_seconds:g} s. Call model.save / "
+            "save_weights (and add ModelCheckpoint) on every worker, not only on the chief: "
+            "drop the `if is_chief(...)` / `if hvd.rank() == 0` around the save. tfdp writes "
+            "the file only on the chief, at its path; the other workers write to a temporary "
+            "directory that is removed. If every worker does save and some reach the save "
+            f"later than that, set {SAVE_WAIT_ENV} above {wait_seconds:g}.")
+
+
 class ConsolidatedState:
     """ShardedOptimizer's Keras saving: its counters by position, then every sharded slot
     consolidated (a mixin: uses the optimizer's partition and bookkeeping)."""
@@ -186,6 +262,9 @@ class ConsolidatedState:
         """Every slot from its owner, one all-gather per dtype; rows packed by element count
         with each slot's own shape (a factored moment is not its variable's shape)."""
         strategy = _tf_private.optimizer_strategy(self)
+        model_bytes = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
+                          for v in self._book.model_variables)
+        check_every_worker_saves(strategy.cluster, save_wait_seconds(model_bytes))
         slots = self._book.slots
         shapes = [tuple(v.shape) for v, _ in slots]  # the Keras shape, stand-ins included
         out = [None] * len(slots)
