@@ -631,3 +631,35 @@ def test_sagemaker_hosts_train(tmp_path):
     assert f"rank 0: source=SM_HOSTS workers=2 replicas=2 address=127.0.0.1:{base}" in outputs[0]
     assert f"rank 1: source=SM_HOSTS workers=2 replicas=2 address=localhost:{base + 1}" in outputs[1]
     assert_trained_like_one_device(tmp_path)
+
+
+# --- several workers on one host: which GPUs each takes (tfdp.cluster.gpus) ------------------
+
+def test_workers_of_one_host_split_its_gpus_when_nobody_chose():
+    from tfdp.cluster import gpus
+    workers = ["a:1", "a:2", "b:1", "a:3"]
+    assert [gpus.local_position(workers, r) for r in range(4)] == [(0, 3), (1, 3), (0, 1), (2, 3)]
+    assert [gpus.shared_host_gpus(workers, r, 3, {}) for r in range(4)] == [(0,), (1,), None, (2,)]
+    assert [gpus.shared_host_gpus(["h:1", "h:2"], r, 8, {}) for r in range(2)] == [
+        (0, 1, 2, 3), (4, 5, 6, 7)]
+    assert [gpus.shared_host_gpus(["h:1", "h:2"], r, 1, {}) for r in range(2)] == [(0,), (0,)]
+    # Whoever set CUDA_VISIBLE_DEVICES chose already; no GPU or one worker: nothing to split.
+    assert gpus.shared_host_gpus(["h:1", "h:2"], 1, 2, {"CUDA_VISIBLE_DEVICES": "1"}) is None
+    assert gpus.shared_host_gpus(["h:1", "h:2"], 1, 0, {}) is None
+    assert gpus.shared_host_gpus(["h:1"], 0, 4, {}) is None
+    # IPv6 and bracketed hosts are one host each.
+    assert gpus.local_position(["[::1]:1", "[::1]:2"], 1) == (1, 2)
+
+
+def test_the_strategy_takes_its_share_of_the_hosts_gpus(monkeypatch):
+    from tfdp.strategy import devices
+
+    cluster = ClusterConfig.from_json(json.dumps({
+        "cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 1}}))
+    monkeypatch.setattr(devices.tf.config, "list_physical_devices",
+                        lambda kind=None: [f"/physical_device:GPU:{i}" for i in range(2)])
+    monkeypatch.setattr(devices, "task_gpu_devices", lambda positions: list(positions))
+    assert devices.shared_host_gpu_devices(cluster, environ={}) == [1]
+    # Guard: with the variable set (Slurm, a device plugin, the user), every GPU it sees.
+    assert devices.shared_host_gpu_devices(cluster, environ={"CUDA_VISIBLE_DEVICES": "0,1"}) is None
+    assert devices.shared_host_gpu_devices(ClusterConfig.single_worker(), environ={}) is None

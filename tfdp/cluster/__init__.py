@@ -2,7 +2,8 @@
 
 One module per source, each returning a plain ``Layout`` (``layout.py``): ``tf_config``
 (TF_CONFIG), ``vertex`` (CLUSTER_SPEC), ``sagemaker`` (SM_HOSTS), ``slurm`` (an srun step),
-``kubernetes`` (a pod of an indexed Job or JobSet), ``resolver`` (a ClusterResolver).
+``kubernetes`` (a pod of an indexed Job or JobSet), ``resolver`` (a ClusterResolver);
+``gpus`` says which GPUs each of several workers on one host takes.
 ``errors`` is the leaf they share; ``config`` builds ``ClusterConfig`` and states the order in
 which ``from_env`` tries the sources.
 """

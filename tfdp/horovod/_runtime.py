@@ -36,6 +36,7 @@ import logging
 import threading
 
 from tfdp.cluster import ClusterConfig
+from tfdp.cluster.gpus import local_gpus
 
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
            "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported",
@@ -133,29 +134,6 @@ def _join_at_startup(cluster: ClusterConfig) -> None:
     _tf_private.preconfigure_collective_runtime(
         {k: list(v) for k, v in cluster.cluster_spec.items()}, cluster.task_type,
         cluster.task_index)
-
-
-def local_gpus(local_rank: int, local_size: int, num_gpus: int,
-               per_process: int | None = None) -> tuple:
-    """Positions, among the GPUs the processes of one host all see, that the process of
-    ``local_rank`` (of ``local_size``) uses; pure.
-
-    Args:
-        per_process: GPUs per process; 1 is Horovod's rule (``gpus[hvd.local_rank()]``);
-            None: an even share, ``[l*k, (l+1)*k)`` with ``k = num_gpus // local_size`` (as
-            tfdp's Slurm path splits a node's GPUs; the last ``num_gpus % local_size`` stay
-            unused). Both give GPU ``l`` with one GPU per process.
-
-    With fewer GPUs than processes, process ``l`` gets GPU ``l % num_gpus`` (shared). No GPU:
-    ``()``.
-    """
-    if num_gpus < 1:
-        return ()
-    if local_size > num_gpus:
-        return (local_rank % num_gpus,)
-    share = num_gpus // local_size if per_process is None else min(per_process,
-                                                                  num_gpus // local_size)
-    return tuple(range(local_rank * share, (local_rank + 1) * share))
 
 
 def _pin_local_gpu(p: Placement) -> None:

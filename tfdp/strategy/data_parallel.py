@@ -214,6 +214,8 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
                                   multi_worker=cluster.is_multi_worker)
         if devices is None and cluster.task_gpus is not None:
             devices = devices_lib.task_gpu_devices(cluster.task_gpus)
+        elif devices is None:
+            devices = devices_lib.shared_host_gpu_devices(cluster)
         devices_lib.configure_from_env()
         names, device_type = devices_lib.resolve_local_devices(devices)
         indices = [tf.DeviceSpec.from_string(n).device_index for n in names]

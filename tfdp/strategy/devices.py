@@ -14,25 +14,33 @@ physical GPU share it; so do workers of one host that see the same GPU (``tfdp-r
 coordination service before the first collective (``exchange_gpu_placements``). Entries
 written differently by different workers (an index in one, a UUID in another) are not
 recognised as the same GPU.
+
+Several workers on one host. With ``CUDA_VISIBLE_DEVICES`` unset, the workers of a host split
+the GPUs they all see (``shared_host_gpu_devices``, the rule of ``tfdp.cluster.gpus``): one
+per worker when the counts match, as Horovod's ``gpus[hvd.local_rank()]``.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import socket
 from typing import Sequence
 
 import tensorflow as tf
 
+from tfdp.cluster import gpus as cluster_gpus
 # Set by tfdp-run so that DataParallelStrategy() in each worker splits its CPU without any
 # change to the user's script; defined with the rest of the launcher protocol.
 from tfdp.protocol import CPU_REPLICAS_ENV
 
+log = logging.getLogger("tfdp")
+
 __all__ = ["configure_cpu_replicas", "local_devices", "resolve_local_devices", "task_gpu_devices", "CPU_REPLICAS_ENV", "shared_gpu",
            "SharedGPU", "physical_gpu_of_logical", "gpu_identities", "local_gpu_placements",
-           "exchange_gpu_placements"]
+           "exchange_gpu_placements", "shared_host_gpu_devices"]
 
 
 # Nothing here may initialise the TensorFlow runtime (tf.config.list_logical_devices
@@ -274,3 +282,22 @@ def task_gpu_devices(positions) -> list:
     except RuntimeError:
         return [f"/device:GPU:{i}" for i in positions]
     return [f"/device:GPU:{j}" for j in range(len(positions))]
+
+
+def shared_host_gpu_devices(cluster, environ=None) -> list | None:
+    """Local device names for this worker's share of its host's GPUs, or None to use every
+    GPU it sees (the rule of ``tfdp.cluster.gpus``: workers of one host split the GPUs they
+    all see when ``CUDA_VISIBLE_DEVICES`` is unset; Horovod's one GPU per local rank)."""
+    environ = os.environ if environ is None else environ
+    if not cluster.is_multi_worker or "CUDA_VISIBLE_DEVICES" in environ:
+        return None  # before asking TensorFlow: no GPU query on CPU-only or chosen layouts
+    gpus = tf.config.list_physical_devices("GPU")
+    positions = cluster_gpus.shared_host_gpus(cluster.workers, cluster.rank, len(gpus), environ)
+    if positions is None:
+        return None
+    local_rank, local_size = cluster_gpus.local_position(cluster.workers, cluster.rank)
+    log.info("tfdp: worker %d is local rank %d of the %d workers on its host: GPU(s) %s of the "
+             "%d it sees (CUDA_VISIBLE_DEVICES unset; set it, or pass devices=, to choose)",
+             cluster.rank, local_rank, local_size, list(positions), len(gpus))
+    return task_gpu_devices(positions)
+
