@@ -571,6 +571,26 @@ def test_the_example_runs_under_tfdp_run_np(tmp_path):
                                                          "checkpoint-2.keras"]
 
 
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_the_synthetic_benchmark_runs_under_tfdp_run_np():
+    """examples/horovod_synthetic_benchmark.py (Horovod's benchmark with its import changed):
+    DistributedGradientTape, the broadcast after the first step, rank 0's img/s."""
+    import os
+    import re
+    import sys
+
+    from launching import ROOT
+    cmd = [sys.executable, "-m", "tfdp.run", "-np", "2", "--", sys.executable,
+           os.path.join(ROOT, "examples", "horovod_synthetic_benchmark.py"), "--num_iters", "2",
+           "--num_batches_per_iter", "2", "--fp16_allreduce"]
+    code, out = run_job(cmd, worker_env(TF_CPP_MIN_LOG_LEVEL=2), LAUNCH_TIMEOUT)
+    assert code == 0, out[-4000:]
+    assert len(re.findall(r"Iter #\d: [\d.]+ img/sec per process", out)) == 2, out[-4000:]
+    assert re.search(r"Total img/sec on 2 process\(es\): [\d.]+", out), out[-4000:]
+    assert "INFO" not in out, out[-4000:]  # the chief's output only, without TensorFlow's noise
+
+
 # --- the rank-0 save with ZeRO (ShardedOptimizer) under the strategy --------------------------
 
 def test_save_wait_grows_with_the_model_and_the_variable_overrides_it():
