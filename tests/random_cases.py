@@ -27,6 +27,33 @@ def draw_layers():
             "flip": keras.layers.RandomFlip("horizontal", seed=5)}
 
 
+def replica_draws(strategy):
+    """One step of every draw layer under ``strategy.run``, each replica on its rows of the
+    global batch: ``{name: this worker's replicas' outputs, stacked in replica order}``."""
+    x, images = global_inputs()
+    per = GLOBAL_BATCH // strategy.num_replicas_in_sync
+    with strategy.scope():
+        layers = draw_layers()
+
+    def rows(ctx):
+        r = ctx.replica_id_in_sync_group
+        return x[r * per:(r + 1) * per], images[r * per:(r + 1) * per]
+
+    values = strategy.experimental_distribute_values_from_function(rows)
+
+    @tf.function
+    def step(batch):
+        def replica(b):
+            dense, image = b
+            return tuple(layer(image if name == "flip" else dense, training=True)
+                         for name, layer in layers.items())
+        return strategy.run(replica, args=(batch,))
+
+    outputs = step(values)
+    return {name: np.stack([t.numpy() for t in strategy.experimental_local_results(out)])
+            for name, out in zip(layers, outputs)}
+
+
 def one_device_draws():
     """What one device draws with fresh layers on the whole global batch."""
     x, images = global_inputs()

@@ -16,34 +16,9 @@ import keras
 import tfdp
 from helpers import assert_weights_close
 from random_cases import (GLOBAL_BATCH, draw_layers, dropout_mlp, global_inputs,
-                          one_device_draws, random_part, train_dropout)
+                          one_device_draws, random_part, replica_draws, train_dropout)
 
 REPLICAS = 4
-
-
-def _replica_draws(strategy):
-    """Each draw layer's output per replica (stacked in replica order) for one step."""
-    x, images = global_inputs()
-    per = GLOBAL_BATCH // strategy.num_replicas_in_sync
-    with strategy.scope():
-        layers = draw_layers()
-
-    def rows(ctx):
-        r = ctx.replica_id_in_sync_group
-        return x[r * per:(r + 1) * per], images[r * per:(r + 1) * per]
-
-    values = strategy.experimental_distribute_values_from_function(rows)
-    @tf.function
-    def step(batch):
-        def replica(b):
-            dense, image = b
-            return tuple(layer(image if name == "flip" else dense, training=True)
-                         for name, layer in layers.items())
-        return strategy.run(replica, args=(batch,))
-
-    outputs = step(values)
-    return {name: np.stack([t.numpy() for t in strategy.experimental_local_results(out)])
-            for name, out in zip(layers, outputs)}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +42,7 @@ def _replicas_differ(parts):
 
 
 def test_each_replica_draws_its_rows_of_what_one_device_draws(strategy):
-    draws = _replica_draws(strategy)
+    draws = replica_draws(strategy)
     reference = one_device_draws()
     for name, parts in _parts(draws).items():
         # Different across replicas: no two replicas draw the same mask, noise or flips.
@@ -78,7 +53,7 @@ def test_each_replica_draws_its_rows_of_what_one_device_draws(strategy):
 
 
 def test_a_second_step_draws_anew_as_one_device_does(strategy):
-    first, second = _replica_draws(strategy), None
+    first, second = replica_draws(strategy), None
     with strategy.scope():
         layer = keras.layers.Dropout(0.5, seed=3)
     x, _ = global_inputs()
@@ -155,7 +130,7 @@ def test_a_model_with_dropout_trains_like_one_device(strategy):
 def test_independent_draws_differ_and_are_not_one_devices():
     strategy = tfdp.DataParallelStrategy(random_draws="independent")
     assert strategy.random_draws == "independent"
-    draws = _replica_draws(strategy)
+    draws = replica_draws(strategy)
     reference = one_device_draws()
     parts = _parts(draws)
     for name in ("dropout", "noise"):
@@ -184,7 +159,7 @@ def test_guard_mirrored_strategy_draws_the_same_mask_on_every_replica(strategy):
     mirrored = tf.distribute.MirroredStrategy(
         [f"/device:CPU:{i}" for i in range(REPLICAS)],
         cross_device_ops=tf.distribute.ReductionToOneDevice())
-    parts = _parts(_replica_draws(mirrored))
+    parts = _parts(replica_draws(mirrored))
     for name, per_replica in parts.items():
         assert all(np.array_equal(per_replica[0], p) for p in per_replica), name
 

@@ -29,6 +29,7 @@ WORKER = os.path.join(HERE, "workers", "cluster_train.py")
 NODES = ("n1", "n2")
 START_TIMEOUT = 60
 RUN_TIMEOUT = 240
+ACTIVE = ("PENDING", "RUNNING", "CONFIGURING", "REQUEUED", "COMPLETING")  # a job not yet ended
 
 _missing = [d for d in ("slurmctld", "slurmd", "srun", "sbatch", "sinfo") if shutil.which(d) is None
             and not os.path.exists(f"/usr/sbin/{d}")]
@@ -116,6 +117,21 @@ class Slurm:
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out after {timeout} s waiting for {what}")
             time.sleep(0.2)  # polling a condition with a deadline, not synchronising by time
+
+    def signal_when_held_and_finish(self, job, held, *scancel_args):
+        """Waits for ``held()`` (rank 0 holding mid-training), signals the job with ``scancel
+        *scancel_args``, waits until it (requeued or not) has finished and returns its
+        ``(state, fields)``; cancels it if the test fails on the way."""
+        try:
+            self.wait(held, "rank 0 to hold before the signal", timeout=RUN_TIMEOUT)
+            code, out = self.run("scancel", *scancel_args, str(job), timeout=30)
+            assert code == 0, out
+            self.wait(lambda: self.job_state(job)[0] not in ACTIVE, "the requeued job to finish",
+                      timeout=RUN_TIMEOUT)
+        finally:
+            if self.job_state(job)[0] in ACTIVE:
+                self.run("scancel", str(job), timeout=30)
+        return self.job_state(job)
 
     def pids(self):
         files = [self.dir / "slurmctld.pid"] + [self.dir / f"slurmd-{n}.pid" for n in NODES]
@@ -264,6 +280,16 @@ def test_srun_trains_one_job_like_one_device(slurm, tmp_path, layout, workers):
         _assert_close(_weights(tmp_path, rank), reference)
 
 
+def held_at_13(slurm, job, out, log):
+    """Whether rank 0 holds before step 13 (the worker's TFDP_TEST_HOLD); the job must still
+    be active meanwhile."""
+    def held():
+        state, _ = slurm.job_state(job)
+        assert state in ACTIVE, (state, log.read_text() if log.exists() else "")
+        return (out / "held-0").exists()
+    return held
+
+
 REQUEUE_SCRIPT = """#!/bin/bash
 #SBATCH --nodes=2 --ntasks-per-node=1 --requeue --open-mode=append --signal=TERM@90
 srun --kill-on-bad-exit=1 {python} {worker}
@@ -284,19 +310,8 @@ def test_requeued_job_resumes_at_the_next_step(slurm, tmp_path):
                           TFDP_TEST_EPOCHS="3", TFDP_TEST_HOLD="0:13")
     assert code == 0, out
     job = int(out.strip().split(";")[0])
-
-    def held():
-        state, _ = slurm.job_state(job)
-        assert state in ("PENDING", "RUNNING", "CONFIGURING"), (state, log.read_text())
-        return (tmp_path / "held-0").exists()
-
-    slurm.wait(held, "rank 0 to hold after step 13", timeout=RUN_TIMEOUT)
-    code, out = slurm.run("scancel", "--signal=TERM", str(job), timeout=30)  # the step only
-    assert code == 0, out
-    slurm.wait(lambda: slurm.job_state(job)[0] not in ("PENDING", "RUNNING", "CONFIGURING",
-                                                       "REQUEUED", "COMPLETING"),
-               "the requeued job to finish", timeout=RUN_TIMEOUT)
-    state, fields = slurm.job_state(job)
+    state, fields = slurm.signal_when_held_and_finish(job, held_at_13(slurm, job, tmp_path, log),
+                                                      "--signal=TERM")  # the step only
     text = log.read_text()
     assert state == "COMPLETED" and fields.get("Restarts") == "1", (fields, text)
     assert "Exited with exit code 143" in text, text  # srun reports the first run's tasks

@@ -35,7 +35,7 @@ from tfdp.protocol import EXIT_PREEMPTED, PREEMPTION_SIGNALS_ENV
 from tfdp.resilience.preemption import PreemptionWatcher, preemption_signals
 
 import test_slurm
-from test_slurm import RUN_TIMEOUT, WORKER, _assert_close, _reference, _steps, _weights
+from test_slurm import WORKER, _assert_close, _reference, _steps, _weights, held_at_13
 from test_slurm import slurm  # noqa: F401  the module fixture: a real controller, nodes n1, n2
 
 WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers")
@@ -279,17 +279,6 @@ if [ "$code" -eq 143 ] || [ "$code" -eq 137 ]; then scontrol requeue "$SLURM_JOB
 exit $code
 """
 
-ACTIVE = ("PENDING", "RUNNING", "CONFIGURING", "REQUEUED", "COMPLETING")
-
-
-def _held(slurm, job, out, log):
-    def held():
-        state, _ = slurm.job_state(job)
-        assert state in ACTIVE, (state, log.read_text() if log.exists() else "")
-        return (out / "held-0").exists()
-    return held
-
-
 def _check_resumed_exactly(out):
     reference = _reference(epochs=3)
     for rank in range(2):
@@ -315,19 +304,10 @@ def test_slurm_signal_backs_up_requeues_and_resumes_exactly(slurm, tmp_path, sig
                           TFDP_TEST_EPOCHS="3", TFDP_TEST_HOLD="0:13")
     assert code == 0, out
     job = int(out.strip().split(";")[0])
-    try:
-        # Rank 0 holds before step 13 until its watcher has the signal: the signal lands
-        # mid-training, in fit, and step 13 carries the stop flag.
-        slurm.wait(_held(slurm, job, tmp_path, log), "rank 0 to hold before step 13",
-                   timeout=RUN_TIMEOUT)
-        code, out = slurm.run("scancel", f"--signal={sig}", *scancel, str(job), timeout=30)
-        assert code == 0, out
-        slurm.wait(lambda: slurm.job_state(job)[0] not in ACTIVE, "the requeued job to finish",
-                   timeout=RUN_TIMEOUT)
-    finally:
-        if slurm.job_state(job)[0] in ACTIVE:
-            slurm.run("scancel", str(job), timeout=30)
-    state, fields = slurm.job_state(job)
+    # Rank 0 holds before step 13 until its watcher has the signal: the signal lands
+    # mid-training, in fit, and step 13 carries the stop flag.
+    state, fields = slurm.signal_when_held_and_finish(
+        job, held_at_13(slurm, job, tmp_path, log), f"--signal={sig}", *scancel)
     text = log.read_text()
     assert state == "COMPLETED" and fields.get("Restarts") == "1", (fields, text)
     assert ("batch script: USR1, forwarding" in text) == (scancel == ("--batch",)), text
@@ -362,18 +342,9 @@ def test_submitit_requeues_the_job_after_tfdp_backs_up(slurm, tmp_path, monkeypa
     job = executor.submit(submitit_train.Train())
     job_id = int(job.job_id)
     log = tmp_path / "submitit" / f"{job_id}_0_log.err"
-    try:
-        slurm.wait(_held(slurm, job_id, tmp_path, log), "rank 0 to hold before step 13",
-                   timeout=RUN_TIMEOUT)
-        # What Slurm sends at --signal=USR2@90, submitit's own ask (job._interrupt(timeout=True)).
-        code, out = slurm.run("scancel", "--signal=USR2", str(job_id), timeout=30)
-        assert code == 0, out
-        slurm.wait(lambda: slurm.job_state(job_id)[0] not in ACTIVE,
-                   "the requeued job to finish", timeout=RUN_TIMEOUT)
-    finally:
-        if slurm.job_state(job_id)[0] in ACTIVE:
-            slurm.run("scancel", str(job_id), timeout=30)
-    state, fields = slurm.job_state(job_id)
+    # What Slurm sends at --signal=USR2@90, submitit's own ask (job._interrupt(timeout=True)).
+    state, fields = slurm.signal_when_held_and_finish(
+        job_id, held_at_13(slurm, job_id, tmp_path, log), "--signal=USR2")
     text = log.read_text()
     assert state == "COMPLETED" and fields.get("Restarts") == "1", (fields, text)
     assert "backed up at global step 13" in text and "after SIGUSR2" in text, text

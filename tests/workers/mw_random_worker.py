@@ -10,41 +10,14 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 import tfdp  # noqa: E402
 
-from random_cases import draw_layers, dropout_mlp, global_inputs, train_dropout  # noqa: E402
+from random_cases import dropout_mlp, replica_draws, train_dropout  # noqa: E402
 
 strategy = tfdp.DataParallelStrategy()
-replicas = strategy.num_replicas_in_sync
-x, images = global_inputs()
-per = x.shape[0] // replicas
-with strategy.scope():
-    layers = draw_layers()
-
-
-def rows(ctx):
-    r = ctx.replica_id_in_sync_group
-    return x[r * per:(r + 1) * per], images[r * per:(r + 1) * per]
-
-
-values = strategy.experimental_distribute_values_from_function(rows)
-
-
-@tf.function
-def step(batch):
-    def replica(b):
-        dense, image = b
-        return tuple(layer(image if name == "flip" else dense, training=True)
-                     for name, layer in layers.items())
-    return strategy.run(replica, args=(batch,))
-
-
-outputs = step(values)
 rank = strategy.cluster.rank
-local = {name: np.stack([t.numpy() for t in strategy.experimental_local_results(out)])
-         for name, out in zip(layers, outputs)}
+local = replica_draws(strategy)
 import helpers  # noqa: E402
 weights = train_dropout(strategy, dropout_mlp if os.environ.get("TFDP_TEST_MODEL") != "mlp" else helpers.mlp)
 np.savez(os.path.join(os.environ["TFDP_TEST_OUT"], f"rank{rank}.npz"),
