@@ -236,7 +236,16 @@ def test_ray_data_shard_trains_like_one_device_every_row_once(two_sources):
                                     one_device(global_order(shards), unknown_length=False))
     print(f"Ray Data against one device on a dataset of known length: {known:.1e}")
     assert known > 100 * RTOL
+    # With the dataset's row count (from_ray(dataset_rows=)) the epochs have a known length:
+    # one device on a dataset of known length, the reference above that the shard missed.
+    counted = [max_relative_difference(weights(out, "raydata_counted", rank),
+                                       one_device(global_order(shards), unknown_length=False))
+               for rank in range(2)]
+    print(f"Ray Data with dataset_rows against one device, known length: {max(counted):.1e}")
+    assert max(counted) <= RTOL
     sharding = read(out, "cluster-0.json")["sharding"]
+    assert sharding["counted"]["steps_per_epoch"] == ROWS // GLOBAL_BATCH
+    assert sharding["ray_data"]["steps_per_epoch"] is None
     assert sharding["ray_data"]["policy"] == "off"          # chosen by "auto"
     # The guard: the same rows as a plain dataset get DATA sharding, which would keep half of
     # each worker's rows (every worker keeps 1/2 of what it reads) and lose the rest.
@@ -299,6 +308,9 @@ def test_ray_report_and_from_ray_refuse_what_they_cannot_do():
                                                              "shuffle_buffer")):
         with pytest.raises(tfdp.data.DataShardingError, match=fix):
             tfdp.data.from_ray(object(), "x", "y", **{option: 8})
+    for bad in (-1, 2.5, True):
+        with pytest.raises(tfdp.data.DataShardingError, match="dataset_rows"):
+            tfdp.data.from_ray(object(), "x", "y", dataset_rows=bad)
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(loss="mse")
     with pytest.raises(RuntimeError, match="only inside the train function"):
@@ -344,3 +356,24 @@ def test_from_ray_keeps_a_split_shard_shards_an_unsplit_one_and_warns_where_unor
         rows(_FakeShard(10, splits=3))
     with pytest.warns(UserWarning, match="preserve_order=True"):
         rows(_FakeShard(10, preserve_order=False, splits=2))
+
+
+def test_dataset_rows_gives_each_worker_its_count_and_a_wrong_one_fails():
+    import tensorflow as tf
+    import tfdp
+
+    def stream(shard, dataset_rows, worker=1):
+        ctx = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=worker,
+                                         num_replicas_in_sync=2)
+        return tfdp.data.from_ray(shard, "x", "y", dataset_rows=dataset_rows)(ctx)
+
+    split = tfdp.data.from_ray(_FakeShard(5, splits=2), "x", "y", dataset_rows=11)
+    assert split.elements_per_worker(2) == [5, 5]  # Ray's equal split drops the odd row
+    unsplit = tfdp.data.from_ray(_FakeShard(11), "x", "y", dataset_rows=11)
+    assert unsplit.elements_per_worker(2) == [6, 5]  # rows w, w + 2, ...
+    assert int(stream(_FakeShard(5, splits=2), 11).cardinality()) == 5
+    assert len(list(stream(_FakeShard(5, splits=2), 11))) == 5
+    # A count that does not match the shard fails at the end of the epoch, naming both.
+    with pytest.raises(tf.errors.FailedPreconditionError, match="expected to contain 6"):
+        list(stream(_FakeShard(5, splits=2), 12))
+    assert tfdp.data.from_ray(_FakeShard(5), "x", "y").elements_per_worker(2) is None

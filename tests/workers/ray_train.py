@@ -57,8 +57,17 @@ def train_two_sources(config):
     model = _model(strategy)
     history = model.fit(from_ray, epochs=config["epochs"], verbose=0)
     _write_results(config, "raydata", rank, model, history)
+    # The dataset's row count (what the driver's ds.count() gives): Keras knows the epochs'
+    # length, as one device does on a dataset of known length.
+    counted = tfdp.data.distribute(
+        strategy, tfdp.data.from_ray(shard, "x", "y", dataset_rows=config["rows"]),
+        config["global_batch"])
+    model = _model(strategy)
+    history = model.fit(counted, epochs=config["epochs"], verbose=0)
+    _write_results(config, "raydata_counted", rank, model, history)
     _write_cluster(config, strategy, tf_data=from_tf_data.sharding_info,
-                   ray_data=from_ray.sharding_info, plain=plain.sharding_info)
+                   ray_data=from_ray.sharding_info, plain=plain.sharding_info,
+                   counted=counted.sharding_info)
 
 
 def train_with_backups(config):

@@ -196,7 +196,12 @@ def _epoch_steps(plan, worker_stream, layout: _Layout, drop_remainder):
     """(elements per worker, global steps per epoch), each None when unknown; logs unknown."""
     counts, steps = plan.counts, None
     fn_counts = worker_stream.function_counts if worker_stream is not None else []
-    if (plan.kind == "function" and layout.num_workers == 1 and fn_counts
+    # An input function may say how many elements every worker's call yields (from_ray with
+    # dataset_rows=); the pipelines check it (assert_cardinality), so the count is exact.
+    declared = getattr(plan.source, "elements_per_worker", None) if plan.kind == "function" else None
+    if callable(declared) and not plan.batched_per_replica:
+        counts = declared(layout.num_workers)
+    if (counts is None and plan.kind == "function" and layout.num_workers == 1 and fn_counts
             and fn_counts[0] is not None):
         if plan.batched_per_replica:  # the function's own per-replica batches, L per step
             batches, local = fn_counts[0], layout.local_replicas

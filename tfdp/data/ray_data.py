@@ -48,11 +48,23 @@ class RayShard:
     as an input function that shards itself (policy "off").
     """
 
-    def __init__(self, shard, feature_columns, label_columns, read_batch_size, to_tf_options):
+    def __init__(self, shard, feature_columns, label_columns, read_batch_size, to_tf_options,
+                 dataset_rows=None):
         self.shard = shard
         self.feature_columns, self.label_columns = feature_columns, label_columns
         self.read_batch_size = read_batch_size
         self.to_tf_options = dict(to_tf_options)
+        self.dataset_rows = dataset_rows
+
+    def elements_per_worker(self, workers: int) -> list | None:
+        """Rows each worker's call yields per epoch, from ``dataset_rows`` (None: unknown).
+        Ray's split is equal (``streaming_split(equal=True)``: up to W - 1 rows dropped); an
+        unsplit dataset keeps rows w, w + W, ... on worker w."""
+        if self.dataset_rows is None:
+            return None
+        if self.splits() is not None:
+            return [self.dataset_rows // workers] * workers
+        return [len(range(w, self.dataset_rows, workers)) for w in range(workers)]
 
     def __call__(self, ctx: tf.distribute.InputContext) -> tf.data.Dataset:
         workers, worker = ctx.num_input_pipelines, ctx.input_pipeline_id
@@ -70,10 +82,15 @@ class RayShard:
             log_once("tfdp.data: the Ray Data iterator is not split among the workers (every "
                      "worker reads the whole dataset): worker %d keeps rows %d, %d+%d, ...",
                      worker, worker, worker, workers)
-            return rows.shard(workers, worker)
+            rows = rows.shard(workers, worker)
         if splits is not None:
             log_once("tfdp.data: the Ray Data shard is this worker's already (Ray Train split "
                      "the dataset %d ways): not sharded again", splits)
+        expected = self.elements_per_worker(workers)
+        if expected is not None:
+            # Keras then knows the epoch's length, as with any dataset of known length; a
+            # wrong dataset_rows fails at the epoch's end with the two counts.
+            rows = rows.apply(tf.data.experimental.assert_cardinality(expected[worker]))
         return rows
 
     def splits(self) -> int | None:
@@ -98,10 +115,12 @@ class RayShard:
 
     def get_config(self):
         return {"feature_columns": self.feature_columns, "label_columns": self.label_columns,
-                "read_batch_size": self.read_batch_size, **self.to_tf_options}
+                "read_batch_size": self.read_batch_size, "dataset_rows": self.dataset_rows,
+                **self.to_tf_options}
 
 
-def from_ray(shard, feature_columns, label_columns, *, read_batch_size=256, **to_tf_options):
+def from_ray(shard, feature_columns, label_columns, *, read_batch_size=256, dataset_rows=None,
+             **to_tf_options):
     """A Ray Data shard as the input of ``tfdp.data.distribute``, sharded "off".
 
     Args:
@@ -112,6 +131,12 @@ def from_ray(shard, feature_columns, label_columns, *, read_batch_size=256, **to
         label_columns: the targets, the same way.
         read_batch_size: rows Ray converts to tensors at a time; it does not change which rows
             a step trains on.
+        dataset_rows: the whole Ray dataset's row count (``ds.count()`` in the driver, passed
+            through ``train_loop_config``). With it Keras knows each epoch's length, as with a
+            dataset of known length; without it an epoch ends when the shard does, and Keras
+            counts one more optimizer iteration at the end of the first epoch (Adam's bias
+            correction and a decaying schedule then run one step ahead: not one device's run
+            on a dataset of known length). A wrong count fails at the epoch's end.
         **to_tf_options: more ``DataIterator.to_tf`` arguments (``additional_columns``,
             ``feature_type_spec``, ``label_type_spec``, ``additional_type_spec``,
             ``prefetch_batches``). Its batching and shuffling options are refused, naming
@@ -136,7 +161,11 @@ def from_ray(shard, feature_columns, label_columns, *, read_batch_size=256, **to
     for name in to_tf_options:
         if name in _REFUSED:
             raise DataShardingError(f"from_ray({name}=...): {_REFUSED[name]}.")
-    if isinstance(read_batch_size, bool) or not isinstance(read_batch_size, int) \
-            or read_batch_size < 1:
-        raise DataShardingError(f"read_batch_size={read_batch_size!r} must be a positive integer.")
-    return RayShard(shard, feature_columns, label_columns, read_batch_size, to_tf_options)
+    for name, value, least in (("read_batch_size", read_batch_size, 1),
+                               ("dataset_rows", dataset_rows, 0)):
+        if name == "dataset_rows" and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise DataShardingError(f"{name}={value!r} must be an integer >= {least}.")
+    return RayShard(shard, feature_columns, label_columns, read_batch_size, to_tf_options,
+                    dataset_rows)
