@@ -594,8 +594,8 @@ def test_the_synthetic_benchmark_runs_under_tfdp_run_np():
 # --- the rank-0 save with ZeRO (ShardedOptimizer) under the strategy --------------------------
 
 def test_save_wait_grows_with_the_model_and_the_variable_overrides_it():
-    assert sharded_state.save_wait_seconds(0, environ={}) == 10.0
-    assert sharded_state.save_wait_seconds(500_000_000, environ={}) == 20.0
+    assert sharded_state.save_wait_seconds(0, environ={}) == 60.0
+    assert sharded_state.save_wait_seconds(500_000_000, environ={}) == 70.0
     assert sharded_state.save_wait_seconds(0, {"TFDP_SAVE_WAIT_SECONDS": "2.5"}) == 2.5
     for bad in ("0", "-1", "soon"):
         with pytest.raises(ValueError, match="TFDP_SAVE_WAIT_SECONDS"):
@@ -652,7 +652,8 @@ def test_a_chief_saving_alone_is_told_to_save_on_every_worker(monkeypatch):
 def test_the_chief_saving_a_sharded_optimizer_alone_fails_within_seconds(tmp_path):
     """``if is_chief(strategy): model.save(...)`` with ZeRO on 2 workers used to hang (the
     chief waited in the state gather forever); it fails within the wait, naming the fix."""
-    environ = worker_env(TFDP_TEST_OUT=tmp_path, TF_CPP_MIN_LOG_LEVEL=2)
+    # 10 s instead of the default 60 (the variable's path): the test needs no longer.
+    environ = worker_env(TFDP_TEST_OUT=tmp_path, TF_CPP_MIN_LOG_LEVEL=2, TFDP_SAVE_WAIT_SECONDS=10)
     started = time.time()
     code, out = run_job(tfdp_run_command(worker_script("hvd_chief_save.py"), workers=2,
                                          flags=["--output", "all"]), environ, LAUNCH_TIMEOUT)

@@ -43,8 +43,9 @@ SAVE_WAIT_ENV = "TFDP_SAVE_WAIT_SECONDS"
 # Workers that all save arrive at the gather apart by what they did differently since their
 # last common step: callbacks' and Keras's writing of the layers, which happen first (to the
 # script's path on the chief, to a local temporary directory on the others), at no less than
-# a slow disk's rate. 10 s covers the rest (Python, small files) many times over.
-_SAVE_WAIT_BASE_SECONDS = 10.0
+# a slow disk's rate. The base covers the rest: 10 s was measured too short (a worker on a
+# loaded 2-core host reached a legitimate save more than 10 s after the chief).
+_SAVE_WAIT_BASE_SECONDS = 60.0
 _SAVE_WAIT_BYTES_PER_SECOND = 50e6
 _SAVE_KEY = "tfdp/sharded-save"
 _saves = itertools.count()  # this process's consolidations, in order: the same on every worker
@@ -197,7 +198,7 @@ class StatePlacement:
 def save_wait_seconds(model_bytes: int, environ=None) -> float:
     """How long the chief waits at a save for the other workers; pure.
 
-    ``TFDP_SAVE_WAIT_SECONDS`` when set, else 10 s plus the time to write ``model_bytes`` (the
+    ``TFDP_SAVE_WAIT_SECONDS`` when set, else 60 s plus the time to write ``model_bytes`` (the
     layers, written before the optimizer) at 50 MB/s.
     """
     environ = os.environ if environ is None else environ
