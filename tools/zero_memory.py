@@ -17,7 +17,18 @@ rounds: unsharded and ZeRO-1 without accumulation, and with k-step accumulation 
 Keras, ZeRO-2 "sharded" (a reduce-scatter every micro-batch) and ZeRO-2 "local" (one
 reduce-scatter per update); plus the bytes each replica sends per update.
 
+Peak memory (``--sections=peak``): what a user sees. Each configuration in a fresh process:
+an MLP (``--peak_model``, default 6 hidden layers of 2048 on 1024 inputs: 23.1M parameters),
+Adam, ``--peak_steps`` steps of ``fit``; the growth of the process's peak resident memory
+(``VmHWM`` in /proc/self/status) from just before the model is built, for unsharded Adam under
+tfdp.DataParallelStrategy, under tf.distribute.MirroredStrategy, and ShardedOptimizer(Adam)
+(ZeRO-2; without accumulation its gradients are transient, as in ZeRO-1), on
+``--peak_replicas`` logical CPU replicas (one process holds every replica, so the growth is
+the sum over replicas). Also TensorFlow's allocator peak (``get_memory_info``), which leaves
+out what the allocator's free lists and the traced graphs hold.
+
     python tools/zero_memory.py   # ~6 min; docs/benchmarks/zero_memory.{md,csv,png}, docs/benchmarks/zero_memory_times.csv
+    python tools/zero_memory.py --sections=peak   # ~12 min; docs/benchmarks/zero_memory_peak.{md,csv,png}
 
 Importing this module defines no flags (the formulas are tested without running the tool).
 """
@@ -91,6 +102,16 @@ def define_flags():
     flags.DEFINE_string("child", "", "Internal: the variant to time in this process.")
     flags.DEFINE_string("child_model", "", "Internal: the model (depth x width) for --child.")
     flags.DEFINE_string("out", "docs/benchmarks/zero_memory", "Output prefix for .md/.csv/.png ('' to skip).")
+    flags.DEFINE_list("sections", ["memory", "time"], "What to run: memory (state bytes per "
+                      "replica), time (step time), peak (peak resident memory).")
+    flags.DEFINE_list("peak_replicas", ["2", "4", "8"], "Replica counts for the peak table.")
+    flags.DEFINE_list("peak_configs", ["unsharded", "mirrored", "zero2"],
+                      f"Configurations for the peak table, of {sorted(PEAK_CONFIGS)}.")
+    flags.DEFINE_string("peak_model", "6x2048", "MLP for the peak table: hidden layers x width.")
+    flags.DEFINE_integer("peak_steps", 3, "fit steps per peak measurement.")
+    flags.DEFINE_integer("peak_rounds", 1, "Measurements of each configuration (fresh processes).")
+    flags.DEFINE_string("peak_child", "", "Internal: the configuration to measure in this process.")
+    flags.DEFINE_integer("peak_child_replicas", 8, "Internal: replicas for --peak_child.")
 
 
 # (label, accumulation, use_ema, ShardedOptimizer accumulation mode or None = unsharded)
@@ -111,8 +132,152 @@ TIME_CONFIGS = [  # (label, accumulation, sharded mode or None)
     ("ZeRO-2 sharded acc", True, "sharded"),
     ("ZeRO-2 local acc", True, "local"),
 ]
+# Peak-memory configurations: (strategy, ShardedOptimizer?, gradient_accumulation_steps).
+PEAK_CONFIGS = {
+    "unsharded": ("tfdp", False, None),
+    "mirrored": ("mirrored", False, None),
+    "zero2": ("tfdp", True, None),
+    "unsharded_acc4": ("tfdp", False, 4),
+    "zero2_acc4": ("tfdp", True, 4),
+}
+PEAK_LABELS = {"unsharded": "unsharded (tfdp)", "mirrored": "MirroredStrategy",
+               "zero2": "ZeRO-2 (ShardedOptimizer)", "unsharded_acc4": "unsharded (tfdp), k=4",
+               "zero2_acc4": "ZeRO-2, k=4 sharded accumulation"}
 TRAFFIC = {"unsharded": "all_reduce", "ZeRO-1": "zero", "unsharded, k-step acc": "all_reduce",
            "ZeRO-2 sharded acc": "zero2_sharded", "ZeRO-2 local acc": "zero"}
+
+
+def vm_hwm_bytes() -> int:
+    """This process's peak resident memory (VmHWM), in bytes (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (not Linux?)")
+
+
+def peak_command(config, replicas, model="6x2048", steps=3):
+    """The command that measures one configuration's peak in a fresh process."""
+    import sys
+    return [sys.executable, os.path.abspath(__file__), f"--peak_child={config}",
+            f"--peak_child_replicas={replicas}", f"--peak_model={model}", f"--peak_steps={steps}"]
+
+
+def peak_environment():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    return env
+
+
+def parse_peak(config, returncode, stdout, stderr) -> dict:
+    """The PEAK result a child printed (see _peak_child), or a RuntimeError with its output."""
+    import json
+    for line in stdout.splitlines():
+        if line.startswith("PEAK "):
+            return json.loads(line[len("PEAK "):])
+    raise RuntimeError(f"peak child {config} failed (exit {returncode}):\n"
+                       f"{stdout[-2000:]}\n{stderr[-4000:]}")
+
+
+def measure_peaks(configs, replicas, model="6x2048", steps=3, parallel=False, timeout=900):
+    """``{config: result}`` for one replica count, each configuration in a fresh process.
+
+    ``parallel``: the processes run at once (VmHWM is per process, so the numbers do not
+    change; only the wall time does). A result has ``growth`` (VmHWM growth in bytes from just
+    before the model is built), ``allocator_peak`` (TensorFlow's CPU allocator, bytes),
+    ``params``, ``seconds``.
+    """
+    results = measure_peak_jobs([(c, replicas) for c in configs], model, steps, parallel, timeout)
+    return dict(zip(configs, results))
+
+
+def measure_peak_jobs(jobs, model="6x2048", steps=3, parallel=False, timeout=900):
+    """``measure_peaks`` for a list of ``(config, replicas)``; the results in that order."""
+    import subprocess
+    if not parallel:
+        out = []
+        for config, replicas in jobs:
+            proc = subprocess.run(peak_command(config, replicas, model, steps),
+                                  capture_output=True, text=True, env=peak_environment(),
+                                  timeout=timeout)
+            out.append(parse_peak(config, proc.returncode, proc.stdout, proc.stderr))
+        return out
+    procs = [(config, subprocess.Popen(peak_command(config, replicas, model, steps),
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True, env=peak_environment()))
+             for config, replicas in jobs]
+    out = []
+    for config, proc in procs:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        out.append(parse_peak(config, proc.returncode, stdout, stderr))
+    return out
+
+
+def _peak_child(FLAGS):
+    """One configuration's peak: VmHWM growth over build + fit; prints one PEAK line."""
+    import json
+
+    import numpy as np
+    import keras
+    import tensorflow as tf
+
+    import tfdp
+
+    kind, sharded, steps = PEAK_CONFIGS[FLAGS.peak_child]
+    n = FLAGS.peak_child_replicas
+    depth, width = (int(v) for v in FLAGS.peak_model.split("x"))
+    tfdp.configure_cpu_replicas(n)
+    devices = [f"/device:CPU:{i}" for i in range(n)]
+    batch = 64 * n
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4 * batch, 1024)).astype("float32")
+    y = rng.integers(0, 10, size=4 * batch).astype("int32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat()
+    if kind == "mirrored":
+        strategy = tf.distribute.MirroredStrategy(devices)
+        data = dataset.batch(batch)
+    else:
+        strategy = tfdp.DataParallelStrategy(devices=devices)
+        data = tfdp.data.distribute(strategy, dataset, global_batch_size=batch)
+    start, before = time.perf_counter(), vm_hwm_bytes()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((1024,))] + [
+            keras.layers.Dense(width, activation="relu") for _ in range(depth)] + [
+            keras.layers.Dense(10)])
+        optimizer = keras.optimizers.Adam(1e-3, gradient_accumulation_steps=steps)
+        if sharded:
+            optimizer = tfdp.ShardedOptimizer(optimizer)
+        model.compile(optimizer=optimizer,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(data, epochs=1, steps_per_epoch=FLAGS.peak_steps * (steps or 1), verbose=0)
+    growth = vm_hwm_bytes() - before
+    try:
+        allocator_peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    except (ValueError, tf.errors.OpError):
+        allocator_peak = None
+    print("PEAK " + json.dumps(dict(
+        config=FLAGS.peak_child, replicas=n, model=FLAGS.peak_model, params=model.count_params(),
+        growth=growth, allocator_peak=allocator_peak,
+        seconds=time.perf_counter() - start)), flush=True)
+
+
+def _peak_section(FLAGS):
+    """Runs the peak table and writes {out}_peak.{csv,md,png}."""
+    results = []
+    for r in range(FLAGS.peak_rounds):
+        for n in [int(v) for v in FLAGS.peak_replicas]:
+            for config in FLAGS.peak_configs:
+                result = measure_peaks([config], n, FLAGS.peak_model, FLAGS.peak_steps)[config]
+                result["round"] = r
+                results.append(result)
+                print(f"peak round {r + 1}/{FLAGS.peak_rounds} N={n} {PEAK_LABELS[config]:34s} "
+                      f"VmHWM growth {result['growth'] / 1e6:8.1f} MB, allocator peak "
+                      f"{(result['allocator_peak'] or 0) / 1e6:8.1f} MB "
+                      f"({result['seconds']:.0f} s)", flush=True)
+    if FLAGS.out:
+        _write_peak(FLAGS.out, results)
+        print(f"wrote {FLAGS.out}_peak.md, .csv, .png")
+    return results
 
 
 def main(argv):
@@ -122,6 +287,18 @@ def main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)
     if FLAGS.child:
         return _child(FLAGS)
+    if FLAGS.peak_child:
+        return _peak_child(FLAGS)
+    unknown = set(FLAGS.sections) - {"memory", "time", "peak"}
+    if unknown:
+        raise ValueError(f"--sections: unknown {sorted(unknown)}; use memory, time, peak.")
+    if "peak" in FLAGS.sections:
+        _peak_section(FLAGS)
+    if {"memory", "time"} & set(FLAGS.sections):
+        _memory_and_time(FLAGS)
+
+
+def _memory_and_time(FLAGS):
     import numpy as np
     import keras
     import tensorflow as tf
@@ -403,6 +580,72 @@ def _write_markdown(FLAGS, rows, timings, params, n_time, k):
             f"accumulation = {ratio('ZeRO-2 sharded acc', 'unsharded, k-step acc')}.", ""]
     with open(FLAGS.out + ".md", "w") as f:
         f.write("\n".join(lines))
+
+
+def _write_peak(out, results):
+    """{out}_peak.csv (every measurement), .md (median per configuration) and .png."""
+    import numpy as np
+
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    fields = ["config", "replicas", "model", "params", "round", "growth", "allocator_peak",
+              "seconds"]
+    with open(out + "_peak.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(results)
+    counts = sorted({r["replicas"] for r in results})
+    configs = list(dict.fromkeys(r["config"] for r in results))
+
+    def median(config, n, key):
+        values = [r[key] for r in results if r["config"] == config and r["replicas"] == n
+                  and r[key] is not None]
+        return float(np.median(values)) if values else float("nan")
+    params = results[0]["params"]
+    base = "unsharded" if "unsharded" in configs else configs[0]
+    lines = [
+        "# Peak resident memory: unsharded, MirroredStrategy, ZeRO-2 (tools/zero_memory.py "
+        "--sections=peak)", "",
+        f"MLP {results[0]['model']} on 1024 inputs ({params:,} parameters, "
+        f"{4 * params / 1e6:.1f} MB of float32 weights), Adam, 64 examples per replica, "
+        "fit for a few steps; each configuration in a fresh process (all replicas of one "
+        "process: the growth is their sum). *VmHWM growth*: the process's peak resident memory "
+        "minus its value just before the model is built (MB); *allocator peak*: TensorFlow's "
+        "CPU allocator's own peak (MB), which leaves out its free lists and the traced graphs; "
+        f"*/ {base}*: VmHWM growth over that of {PEAK_LABELS[base]} at the same N. Median of "
+        f"{max(r['round'] for r in results) + 1} measurement(s).", "",
+        "| N | configuration | VmHWM growth (MB) | allocator peak (MB) | / " + base + " |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    for n in counts:
+        for config in configs:
+            growth = median(config, n, "growth")
+            lines.append(f"| {n} | {PEAK_LABELS[config]} | {growth / 1e6:,.0f} | "
+                         f"{median(config, n, 'allocator_peak') / 1e6:,.0f} | "
+                         f"{growth / median(base, n, 'growth'):.2f} |")
+    with open(out + "_peak.md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    _plot_peak(out + "_peak.png", results, counts, configs, median)
+
+
+def _plot_peak(path, results, counts, configs, median):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    width = 0.8 / max(1, len(configs))
+    xs = np.arange(len(counts))
+    for j, config in enumerate(configs):
+        ax.bar(xs + j * width, [median(config, n, "growth") / 1e6 for n in counts], width,
+               label=PEAK_LABELS[config], color=f"C{j}")
+    ax.set_xticks(xs + width * (len(configs) - 1) / 2, [f"N={n}" for n in counts])
+    ax.set_ylabel("VmHWM growth over build + fit (MB)")
+    ax.set_title(f"Peak resident memory, MLP {results[0]['model']} "
+                 f"({results[0]['params'] / 1e6:.1f}M parameters), Adam")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def _plot(path, rows, timings, n_time):

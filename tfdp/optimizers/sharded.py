@@ -11,14 +11,14 @@ dominant variable limits the saving but never correctness.
 
 Each optimizer update, in every replica:
 
-1. pack the local gradients into one buffer ``[N, S]``, row k holding (zero-padded)
-   the gradients of the variables replica k owns, and reduce-scatter it: replica k
-   receives the global sum of row k (all-to-all + local sum; see collectives.py);
+1. reduce-scatter the local gradients: replica k receives the global sum of the gradients
+   of the variables it owns (all-to-all + local sum, in rounds of bounded size: exchange.py);
 2. clip the owned reduced gradients (``clipvalue``/``clipnorm`` per tensor; the norm
    for ``global_clipnorm`` is one scalar all-reduce of the owned squared norms);
 3. update the owned variables with the wrapped optimizer (decoupled weight decay
    included); its state exists only for the owned variables, on this device;
-4. all-gather the owned new values, so every replica holds identical weights.
+4. all-gather the owned new values into every replica's variables, in place and in rounds
+   (exchange.py), so every replica holds identical weights.
 
 Optimizer state (which optimizers shard). The wrapped optimizer builds its state inside
 ShardedOptimizer.build. A state variable belongs to model variable i when it is made by
@@ -93,7 +93,7 @@ import tensorflow as tf
 import keras
 
 from tfdp import _tf_private
-from tfdp.optimizers import packing
+from tfdp.optimizers import exchange
 from tfdp.optimizers._layerwise import dense
 from tfdp.optimizers.sharded_state import (ConsolidatedState, StatePlacement, _is_stand_in,
                                            install_loss_scale_saving_hooks,
@@ -441,12 +441,6 @@ class ShardedOptimizer(ConsolidatedState, keras.optimizers.Optimizer):
 
         overwrite()
 
-    def _rows(self, indices, by_index):
-        """Variable indices per owner, and the padded row width in elements."""
-        rows = [[i for i in indices if self._owners[i] == r] for r in range(self._num_replicas)]
-        width = packing.row_width([[_num_elements(by_index[i]) for i in row] for row in rows])
-        return rows, width
-
     def _reduce_to_owners(self, grad_of, by_index, me):
         """Step 1: this replica's owned gradients, summed over all replicas."""
         strategy = _tf_private.optimizer_strategy(self)
@@ -458,29 +452,17 @@ class ShardedOptimizer(ConsolidatedState, keras.optimizers.Optimizer):
             reduced = tf.distribute.get_replica_context().all_reduce(
                 tf.distribute.ReduceOp.SUM, [grad_of[i] for i in sparse])
             owned.update((i, g) for i, g in zip(sparse, reduced) if self._owners[i] == me)
-        dense = [i for i in grad_of if i not in sparse]
-        rows, width = self._rows(dense, by_index)
-        dtype = by_index[dense[0]].dtype if dense else tf.float32
-        packed = tf.stack([packing.pack([grad_of[i] for i in row], width, dtype) for row in rows])
-        packed = collectives.to_wire(packed, strategy.compression)
-        mine = tf.cast(collectives.reduce_scatter(packed, strategy), dtype)
-        owned.update(zip(rows[me], packing.unpack(mine, [by_index[i].shape for i in rows[me]])))
+        dense = {i: g for i, g in grad_of.items() if i not in sparse}
+        owned.update(exchange.reduce_to_owners(dense, by_index, self._owners, me, strategy))
         return owned
 
     def _gather_from_owners(self, indices, targets, me, sources=None):
         """Step 4: every replica assigns every owner's values to ``targets`` (index ->
         variable). The owners send their ``targets`` (just updated), or ``sources``."""
-        rows, width = self._rows(indices, targets)
-        send = targets if sources is None else sources
-        dtype = targets[indices[0]].dtype
-        new_values = packing.pack([send[i].value for i in rows[me]], width, dtype)
-        gathered = tf.reshape(collectives.all_gather(new_values[tf.newaxis], axis=0),
-                              [self._num_replicas, width])
-        for r, row in enumerate(rows):
-            if (r == me and sources is None) or not row:
-                continue
-            for i, value in zip(row, packing.unpack(gathered[r], [targets[i].shape for i in row])):
-                targets[i].assign(value)
+        exchange.gather_from_owners(
+            {i: targets[i] for i in indices}, self._owners, me,
+            _tf_private.optimizer_strategy(self),
+            None if sources is None else {i: sources[i] for i in indices})
 
     def _update_owned(self, owned_grads, by_index, distributed):
         """Steps 2-3: clip the owned gradients, decay and update the owned variables."""

@@ -1,0 +1,121 @@
+"""ShardedOptimizer's peak memory as a user sees it (issue 33, item 5), and the pure parts of
+its exchanges: the round plan and where each replica sits in TensorFlow's collective groups.
+
+The peak: each configuration in a fresh process (tools/zero_memory.py's peak child): a
+23.1M-parameter MLP, Adam, two steps of ``fit`` on 8 logical CPU replicas (and on one, for
+the guard); the growth of the process's peak resident memory (VmHWM) from just before the
+model is built. No timings.
+"""
+
+import types
+
+import pytest
+
+import zero_memory as zm  # tools/ is on pytest's pythonpath
+from tfdp.optimizers import exchange, packing
+from tfdp.strategy import collectives
+
+PEAK_REPLICAS = 8
+PEAK_MODEL = "6x2048"  # 6 hidden layers of 2048 on 1024 inputs: 23.1M parameters
+PEAK_LIMIT = 0.75  # issue 33: ZeRO-2's peak growth <= 0.75 of unsharded at N=8 (theory 0.59)
+
+
+@pytest.fixture(scope="module")
+def peaks():
+    """``{(config, replicas): result}``. The processes run at once (VmHWM is per process, so
+    only the wall time changes)."""
+    jobs = [("unsharded", PEAK_REPLICAS), ("zero2", PEAK_REPLICAS), ("unsharded", 1),
+            ("zero2", 1)]
+    return dict(zip(jobs, zm.measure_peak_jobs(jobs, PEAK_MODEL, steps=2, parallel=True)))
+
+
+def _ratio(peaks, replicas):
+    return peaks[("zero2", replicas)]["growth"] / peaks[("unsharded", replicas)]["growth"]
+
+
+@pytest.mark.slow
+def test_zero2_peak_is_at_most_three_quarters_of_unsharded(peaks):
+    zero2, unsharded = peaks[("zero2", PEAK_REPLICAS)], peaks[("unsharded", PEAK_REPLICAS)]
+    assert zero2["params"] == unsharded["params"] > 20_000_000
+    ratio = _ratio(peaks, PEAK_REPLICAS)
+    assert ratio <= PEAK_LIMIT, (
+        f"ShardedOptimizer's peak growth {zero2['growth'] / 1e6:.0f} MB is {ratio:.2f} of "
+        f"unsharded's {unsharded['growth'] / 1e6:.0f} MB at N={PEAK_REPLICAS}")
+
+
+@pytest.mark.slow
+def test_guard_the_peak_measurement_fails_for_what_does_not_shard(peaks):
+    """The check above is not vacuous. The same optimizer, measured the same way, on one
+    replica, where there is nothing to shard, is far above the limit; and the unsharded peak
+    at N=8 holds more than the weights and Adam's two slots on every replica."""
+    assert _ratio(peaks, 1) > PEAK_LIMIT
+    unsharded = peaks[("unsharded", PEAK_REPLICAS)]
+    assert unsharded["growth"] > 3 * 4 * PEAK_REPLICAS * unsharded["params"]
+
+
+def test_rounds_cover_every_stream_between_rows():
+    sizes = {0: 10, 1: 3, 2: 8, 3: 0, 4: 1}
+    rows = {0: 2, 2: 4}
+    owners = [0, 1, 1, 0, 2]
+    streams = packing.owner_streams(sizes, owners, 3, rows)
+    assert streams == [[(0, 10, 2)], [(2, 8, 4), (1, 3, 1)], [(4, 1, 1)]]  # highest index first
+    rounds = packing.plan_rounds(streams, 5)
+    covered = {}
+    for plan in rounds:
+        assert plan.width == max(sum(s.size for s in row) for row in plan.rows)
+        for replica, row in enumerate(plan.rows):
+            assert sum(s.size for s in row) <= max(5, max(rows.values()))
+            assert plan.padding(replica) == plan.width - sum(s.size for s in row)
+            for s in row:
+                assert owners[s.index] == replica
+                assert s.start % rows.get(s.index, 1) == 0 and s.stop % rows.get(s.index, 1) == 0
+                covered.setdefault(s.index, []).append((s.start, s.stop))
+    for index, n in sizes.items():  # every element once, in order; empty tensors not at all
+        spans = covered.get(index, [])
+        if not spans:
+            assert n == 0
+            continue
+        assert [a for a, _ in spans] == [0] + [b for _, b in spans[:-1]]
+        assert spans[-1][1] == n
+    # One round when everything fits; a row larger than the round is a round of its own.
+    assert len(packing.plan_rounds(streams, 100)) == 1
+    assert [r.width for r in packing.plan_rounds([[(0, 12, 6)]], 4)] == [6, 6]
+    assert packing.plan_rounds([[], []], 4) == []
+
+
+def test_round_size():
+    mib = 1024 * 1024
+    # 23.1M float32 parameters at N=8: an eighth of the exchange (11.5 MB) under 32 MiB.
+    assert exchange.round_elements(32 * mib, 8, 4, [23_101_450]) == 23_101_450 * 4 // 8 // 32
+    # A small model: at least 4 MiB, so one round.
+    assert exchange.round_elements(32 * mib, 4, 4, [700_000]) == 4 * mib // 16
+    # Never above bucket_bytes; 0 (one collective per tensor): rows of the largest tensor.
+    assert exchange.round_elements(1024, 4, 4, [10 ** 8]) == 64
+    assert exchange.round_elements(0, 4, 4, [5, 70, 3]) == 70
+
+
+def _fake_strategy(workers, devices, chief=False):
+    spec = {"worker": tuple(f"h:{i}" for i in range(workers - chief))}
+    if chief:
+        spec["chief"] = ("h:c",)
+    cluster = types.SimpleNamespace(num_workers=workers, cluster_spec=spec)
+    return types.SimpleNamespace(
+        cluster=cluster, extended=types.SimpleNamespace(worker_devices=devices))
+
+
+def test_group_rank_order_follows_tensorflow():
+    """Measured with 12 workers (one replica each): TensorFlow's all-gather and all-to-all
+    ranks are tasks 0, 1, 10, 11, 2, ..., 9 (task names in string order); within a worker
+    devices go by index."""
+    cpus = [f"/job:worker/replica:0/task:0/device:CPU:{i}" for i in range(2)]
+    assert collectives.group_rank_order(_fake_strategy(1, cpus)) == [0, 1]
+    assert collectives.group_rank_order(_fake_strategy(4, cpus)) == list(range(8))
+    twelve = collectives.group_rank_order(_fake_strategy(12, cpus[:1]))
+    assert twelve == [0, 1, 10, 11, 2, 3, 4, 5, 6, 7, 8, 9]
+    # A chief is rank 0 and "/job:chief" sorts before "/job:worker".
+    assert collectives.group_rank_order(_fake_strategy(12, cpus[:1], chief=True))[:4] == [0, 1, 2, 11]
+    # Local devices listed out of index order.
+    swapped = [cpus[1], cpus[0]]
+    assert collectives.group_rank_order(_fake_strategy(2, swapped)) == [1, 0, 3, 2]
+    assert collectives.all_to_all_is_exact(_fake_strategy(1, cpus * 5))
+    assert not collectives.all_to_all_is_exact(_fake_strategy(1, cpus * 6))

@@ -1,0 +1,207 @@
+"""ShardedOptimizer's two exchanges, in rounds of bounded size: the reduce-scatter that gives
+each owner the summed gradients of its variables (step 1 of sharded.py's step), and the
+all-gather that gives every replica the owners' new values (step 4).
+
+Rule. Each replica's owned tensors, flattened end to end, form its stream; each stream is cut
+into pieces of at most ``c`` elements between rows of its tensors, and round j moves every
+stream's j-th piece in one collective (``packing.owner_streams``, ``packing.plan_rounds``).
+``N * c`` elements are the round's bytes on the wire: the strategy's ``bucket_bytes``, lowered
+to an eighth of the exchange but not below 4 MiB (``round_elements``). A round's rows are cut
+and copied only after the previous round is done (a control dependency), so a replica holds
+one round's rows and the collective's output at a time. The one-shot exchange it replaces
+held an ``N x longest-stream`` buffer, padded to the largest partition, twice over, and its
+all-gather left each variable holding the whole gathered buffer (a variable assigned the last
+reference to a slice adopts it): that made ZeRO-2's peak higher than no sharding
+(docs/zero.md, "Peak memory", has the measurements).
+
+The all-gather writes each piece into its rows of the variable in place
+(``ResourceStridedSliceAssign``); no variable adopts a gathered buffer, and a tensor spanning
+rounds needs no assembled copy. The reduce-scatter hands the owner its pieces, joined per
+tensor (at most 1/N of the gradients).
+
+A stream shorter than the round leaves its row short; the rest is filled with copies of one
+element of the round's data (never read back: receivers keep only the elements of real
+segments), not with zeros, because TensorFlow's graph optimiser folds a zeros tensor of static
+shape into a constant that stays in memory for the life of the traced step.
+
+Results equal the one-shot exchange's: every element is summed over the same replicas
+(received rows in group-rank order, as before); the values gathered are the owners' bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from tfdp.optimizers import packing
+from tfdp.strategy import collectives
+
+__all__ = ["reduce_to_owners", "gather_from_owners", "round_elements"]
+
+# When the strategy does not say (no tfdp strategy: one replica), rounds of this many bytes.
+_DEFAULT_ROUND_BYTES = 32 * 1024 * 1024
+# A round moves at most an eighth of the exchanged bytes, but not less than this: one round's
+# rows and the collective's output (2x the round) then stay at a quarter of a gradient copy,
+# well under what sharding the optimizer state saves, while a small model stays one round
+# (each round is one collective, latency bound on small tensors).
+_MIN_ROUND_BYTES = 4 * 1024 * 1024
+_ROUNDS_PER_EXCHANGE = 8
+
+
+def _num_elements(shape) -> int:
+    return int(np.prod(shape)) if len(shape) else 1
+
+
+def round_elements(bucket_bytes, num_replicas: int, itemsize: int, sizes) -> int:
+    """Elements per row of one round (``num_replicas`` rows on the wire). Pure.
+
+    The round's bytes are ``bucket_bytes`` (None: 32 MiB), lowered to an eighth of all the
+    exchanged bytes (``sizes``: element counts) but not below 4 MiB; ``bucket_bytes == 0``
+    (one collective per tensor elsewhere): rows of the largest tensor.
+    """
+    sizes = list(sizes)
+    if bucket_bytes is None:
+        bucket_bytes = _DEFAULT_ROUND_BYTES
+    if bucket_bytes == 0:
+        return max([1, *sizes])
+    total = sum(sizes) * itemsize
+    round_bytes = min(int(bucket_bytes), max(_MIN_ROUND_BYTES, total // _ROUNDS_PER_EXCHANGE))
+    return max(1, round_bytes // (num_replicas * itemsize))
+
+
+def _plan(shapes, owners, num_replicas, strategy, itemsize):
+    sizes = {i: _num_elements(s) for i, s in shapes.items()}
+    rows = {i: _num_elements(s[1:]) if len(s) > 1 else 1 for i, s in shapes.items()}
+    streams = packing.owner_streams(sizes, owners, num_replicas, rows)
+    c = round_elements(getattr(strategy, "bucket_bytes", None), num_replicas, itemsize,
+                       sizes.values())
+    return sizes, rows, packing.plan_rounds(streams, c)
+
+
+def _segment(flat, segment, size):
+    """The segment's elements of a flattened tensor (the tensor itself when whole)."""
+    if segment.start == 0 and segment.stop == size:
+        return flat
+    return flat[segment.start:segment.stop]
+
+
+def _filler(pad, source):
+    """``pad`` elements of no meaning, made at run time from ``source``'s first element."""
+    return tf.fill([pad], tf.reshape(source, [-1])[0])
+
+
+def _pieces(row, segments, width):
+    """``row`` (``width`` elements) cut into the given segments' pieces (the row itself for
+    one whole segment)."""
+    if len(segments) == 1 and segments[0].size == width:
+        return [row]
+    out, offset = [], 0
+    for segment in segments:
+        out.append(row[offset:offset + segment.size])
+        offset += segment.size
+    return out
+
+
+def _assemble(pieces, shape, dtype):
+    if not pieces:  # a tensor without elements
+        return tf.zeros(shape, dtype)
+    flat = pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=0)
+    return tf.reshape(flat, shape)
+
+
+def _write(target, segment, piece, shape, row):
+    """Writes ``piece`` (the flat elements of ``segment``) into ``target``'s rows in place;
+    returns the operation. TensorFlow copies a slice into the variable's own buffer here,
+    where a plain assignment of the last reference to a slice adopts it and keeps the whole
+    gathered buffer alive after the step (measured: a 4 MB slice of a 16 MB tensor kept
+    16 MB), and a tensor spanning rounds needs no assembled copy."""
+    if not shape:  # a scalar has no rows: assign a copy of its own
+        return tf.raw_ops.AssignVariableOp(resource=target.handle,
+                                           value=tf.raw_ops.DeepCopy(x=tf.reshape(piece, [])))
+    first, last = segment.start // row, segment.stop // row
+    return tf.raw_ops.ResourceStridedSliceAssign(
+        ref=target.handle, begin=[first], end=[last], strides=[1],
+        value=tf.reshape(piece, [last - first, *shape[1:]]))
+
+
+def reduce_to_owners(grads, variables, owners, me, strategy) -> dict:
+    """This replica's owned gradients, each summed over all replicas.
+
+    Args:
+        grads: ``{index: dense local gradient}`` (every replica passes the same indices).
+        variables: ``{index: model variable}`` for those indices (shapes and the dtype, one
+            for all, in which gradients are summed).
+        owners: ``owners[index]`` is the global replica that owns variable ``index``.
+        me: this replica's global id.
+        strategy: the tfdp strategy (its ``bucket_bytes`` and ``compression``).
+
+    Returns:
+        ``{index: summed gradient}`` for the indices ``me`` owns, shaped like the variables.
+    """
+    if not grads:
+        return {}
+    num_replicas = strategy.num_replicas_in_sync
+    dtype = tf.as_dtype(variables[next(iter(grads))].dtype)
+    shapes = {i: tuple(variables[i].shape) for i in grads}
+    wire = collectives.COMPRESSION_DTYPES[strategy.compression] if dtype.is_floating else None
+    sizes, _, rounds = _plan(shapes, owners, num_replicas, strategy, (wire or dtype).size)
+    flat = {}
+    pieces = {i: [] for i in grads if owners[i] == me}
+    previous = []
+    for plan in rounds:
+        # The rows of this round are cut and copied only once the last round's sum exists.
+        with tf.control_dependencies(previous):
+            rows = []
+            for replica in range(num_replicas):
+                parts = []
+                for segment in plan.rows[replica]:
+                    if segment.index not in flat:
+                        flat[segment.index] = tf.reshape(tf.cast(grads[segment.index], dtype), [-1])
+                    parts.append(_segment(flat[segment.index], segment, sizes[segment.index]))
+                rows.append(parts)
+            source = next(parts[0] for parts in rows if parts)
+            for replica, parts in enumerate(rows):
+                if plan.padding(replica):
+                    parts.append(_filler(plan.padding(replica), source))
+            mine = collectives.reduce_scatter_rows(rows, strategy, strategy.compression)
+        previous = [mine]
+        for segment, piece in zip(plan.rows[me], _pieces(mine, plan.rows[me], plan.width)):
+            pieces[segment.index].append(piece)
+    return {i: _assemble(pieces[i], shapes[i], dtype) for i in pieces}
+
+
+def gather_from_owners(targets, owners, me, strategy, sources=None) -> None:
+    """Every replica assigns every owner's values to ``targets`` (``{index: variable}``).
+
+    The owners send their ``targets`` (just updated; an owner then skips its own), or
+    ``sources`` (``{index: variable}``, e.g. moving averages; every target is assigned).
+    Each piece is written into its rows of the variable as it arrives, and a round's row is
+    read only after the previous round is written, so one round's gathered rows are held at
+    a time.
+    """
+    if not targets:
+        return
+    num_replicas = strategy.num_replicas_in_sync
+    send = targets if sources is None else sources
+    dtype = tf.as_dtype(next(iter(targets.values())).dtype)
+    shapes = {i: tuple(v.shape) for i, v in targets.items()}
+    sizes, rows_of, rounds = _plan(shapes, owners, num_replicas, strategy, dtype.size)
+    previous = []
+    for plan in rounds:
+        with tf.control_dependencies(previous):
+            parts = [_segment(tf.reshape(tf.cast(send[s.index].value, dtype), [-1]), s,
+                              sizes[s.index]) for s in plan.rows[me]]
+            if plan.padding(me):
+                source = parts[0] if parts else tf.convert_to_tensor(
+                    next(v for i, v in targets.items() if sizes[i]))
+                parts.append(_filler(plan.padding(me), source))
+            rows = collectives.all_gather_rows(
+                parts[0] if len(parts) == 1 else tf.concat(parts, axis=0), strategy)
+        previous = []  # the next round starts once this one is written
+        for replica, row in enumerate(rows):
+            if replica == me and sources is None:
+                continue
+            for segment, piece in zip(plan.rows[replica], _pieces(row, plan.rows[replica],
+                                                                  plan.width)):
+                previous.append(_write(targets[segment.index], segment, piece,
+                                       shapes[segment.index], rows_of[segment.index]))
