@@ -159,14 +159,6 @@ class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
         launcher = _tf_private.collective_launchers(self)[local_index]
         return _tf_private.all_to_all(launcher, value, _tf_private.communication_options(self))
 
-    @property
-    def _tfdp_all_to_all_is_ordered(self):
-        # Measured: with device or task indices of two digits, TensorFlow's all-to-all
-        # group ranks no longer follow replica order (all-gather's still do), so
-        # reduce-scatter falls back to all-reduce + slice there.
-        indices = [tf.DeviceSpec.from_string(d).device_index for d in self.worker_devices]
-        return max(indices) < 10 and _tf_private.extended_num_workers(self) <= 10
-
 
 class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     """Synchronous data parallelism over local devices and, through TF_CONFIG, workers.
