@@ -70,13 +70,93 @@ def _kill_group(proc):
         proc.communicate()
 
 
+class JobTimeout(subprocess.TimeoutExpired):
+    """A job ran past its timeout: the message carries every one of its processes' Python
+    stacks (taken before the kill) and the end of its output, so that a hang in CI names
+    where each process waited."""
+
+    def __init__(self, cmd, timeout, stacks, output):
+        super().__init__(cmd, timeout, output=output)
+        self.stacks = stacks
+
+    def __str__(self):
+        return (f"{super().__str__()}\n--- stacks of the job's processes at the timeout ---\n"
+                f"{self.stacks}\n--- the job's output (end) ---\n{(self.output or '')[-6000:]}")
+
+
+def _children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+def _job_processes(root, env):
+    """``root``'s descendants, and (workers started over ssh are sshd's children) every process
+    whose environment has this job's ``TFDP_TEST_OUT``."""
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += _children(pid)
+    marker = env.get("TFDP_TEST_OUT") if env else None
+    if marker and os.path.isdir("/proc"):
+        needle = f"TFDP_TEST_OUT={marker}".encode()
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) not in found:
+                try:
+                    with open(f"/proc/{entry}/environ", "rb") as f:
+                        if needle in f.read().split(b"\0"):
+                            found.append(int(entry))
+                except OSError:
+                    pass
+    return found
+
+
+def stacks_of(root, env=None):
+    """The Python stacks (py-spy, when installed) of ``root`` and its job's processes."""
+    spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if not os.path.exists(spy):
+        return "(py-spy is not installed: no stacks)"
+    parts = []
+    for pid in _job_processes(root, env):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                name = f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+        except OSError:
+            continue
+        if "python" not in name:
+            continue
+        try:
+            dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True,
+                                  text=True, timeout=30)
+            text = dump.stdout or dump.stderr
+        except (OSError, subprocess.TimeoutExpired) as e:
+            text = f"(py-spy failed: {e})"
+        parts.append(f"=== pid {pid}: {name}\n{text}")
+    return "\n".join(parts) or "(no processes left)"
+
+
+def _communicate(proc, timeout, env):
+    """proc.communicate(timeout); past it, the stacks, then the kill, then JobTimeout."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stacks = stacks_of(proc.pid, env)
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise JobTimeout(proc.args, timeout, stacks, (out or "") + (err or "")) from None
+
+
 def run_job(cmd, env, timeout, cwd=None):
     """Runs ``cmd`` to its end; returns (exit code, stdout + stderr). Past ``timeout`` seconds
-    the job's process group is killed and subprocess.TimeoutExpired raised."""
+    the job's process group is killed and JobTimeout (a subprocess.TimeoutExpired naming
+    where every process waited) raised."""
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = _communicate(proc, timeout, env)
     finally:
         _kill_group(proc)
     return proc.returncode, out + err
@@ -85,15 +165,17 @@ def run_job(cmd, env, timeout, cwd=None):
 def start_job(cmd, env):
     """Starts ``cmd`` in a session of its own (to be signalled, and killed as a group), its
     stderr merged into its stdout pipe; finish it with finish_job."""
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
+    proc._tfdp_env = env  # finish_job's stacks at a timeout find ssh-started workers by it
+    return proc
 
 
 def finish_job(proc, timeout):
     """Waits for a job from start_job; returns (exit code, output). Past ``timeout`` seconds
     its process group is killed and subprocess.TimeoutExpired raised."""
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        out, _ = _communicate(proc, timeout, getattr(proc, "_tfdp_env", None))
     finally:
         _kill_group(proc)
     return proc.returncode, out

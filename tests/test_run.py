@@ -472,3 +472,22 @@ def test_free_ports_avoid_the_previous_attempts():
     assert len(set(again)) == 4 and not set(first) & set(again)
     with pytest.raises(OSError, match="no 1 free ports"):
         free_ports(1, host="127.0.0.1", avoid=range(0, 65536))
+
+
+def test_a_test_job_past_its_timeout_reports_where_each_process_waited(tmp_path):
+    # The suite's own diagnosis of a hang (tests/launching.py): a job that never ends is
+    # killed at its timeout, and the error carries its processes' Python stacks (a child's
+    # too), which is what names the wait of a job that hangs only in CI.
+    script = tmp_path / "hangs.py"
+    script.write_text("import subprocess, sys, time\n"
+                      "def parent_waits_here():\n"
+                      "    subprocess.run([sys.executable, '-c', 'import time\\n"
+                      "def child_waits_here():\\n    time.sleep(120)\\nchild_waits_here()'])\n"
+                      "print('started', flush=True)\n"
+                      "parent_waits_here()\n")
+    env = dict(os.environ, TFDP_TEST_OUT=str(tmp_path))
+    with pytest.raises(subprocess.TimeoutExpired) as raised:
+        run_job([sys.executable, str(script)], env, timeout=10)
+    report = str(raised.value)
+    assert "parent_waits_here" in report and "child_waits_here" in report, report
+    assert "started" in report, report
