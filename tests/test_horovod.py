@@ -13,6 +13,7 @@ same global batches; the chief saving a ShardedOptimizer model alone under the s
 
 import json
 import time
+import warnings
 
 import keras
 import numpy as np
@@ -22,7 +23,7 @@ import tensorflow as tf
 import tfdp.horovod as hvd
 import tfdp.horovod.keras as hvd_keras
 from helpers import classification_data, mlp
-from launching import run_job, tfdp_run_command, worker_env, worker_script
+from launching import JobTimeout, run_job, tfdp_run_command, worker_env, worker_script
 from tfdp import _tf_private
 from tfdp.cluster import ClusterConfig
 from tfdp.horovod import _runtime
@@ -438,23 +439,26 @@ def launch_over_ssh(tmp_path, sshd, script, **env):
     return out
 
 
-# An open bug, not a passing test: the local variant sometimes hangs (both workers silent in
-# the first epoch until the 180 s launch timeout): 2 of ~12 runs on 2026-11-25, one on a quiet
-# host in a fresh-clone .ci/run. Cause not yet found; reported as xfail (never as a pass) so
-# the hang is visible in every run without failing the suite.
-@pytest.mark.parametrize("where", [
-    pytest.param("local", marks=pytest.mark.xfail(
-        strict=False, raises=Exception,
-        reason="intermittent hang of the 2-worker Horovod fit script (under investigation)")),
-    "ssh"])
+# An open bug, not a passing test: this job sometimes hangs (both workers silent in the first
+# epoch until the launch timeout): 2 of ~12 runs here on 2026-11-25 (none in 40 since, under
+# load too), and in 2 of 3 fresh-clone CI runs (the local variant once, the ssh one once).
+# Cause not found yet. When it hangs the test is an xfail (never a pass), and every process's
+# Python stack goes to the warnings summary (JobTimeout), to name the wait; a run that ends
+# is checked in full.
+@pytest.mark.parametrize("where", ["local", "ssh"])
 @pytest.mark.slow
 @pytest.mark.multiworker
 def test_horovod_keras_fit_trains_like_one_process(tmp_path, where, request):
     env = dict(HVD_LOCAL_BATCH=LOCAL_BATCH, HVD_EPOCHS=2)
-    if where == "ssh":
-        launch_over_ssh(tmp_path, request.getfixturevalue("sshd"), "hvd_keras_fit.py", **env)
-    else:
-        launch(tmp_path, "hvd_keras_fit.py", **env)
+    try:
+        if where == "ssh":
+            launch_over_ssh(tmp_path, request.getfixturevalue("sshd"), "hvd_keras_fit.py", **env)
+        else:
+            launch(tmp_path, "hvd_keras_fit.py", **env)
+    except JobTimeout as hang:
+        warnings.warn(f"the Horovod fit job hung (open bug): {hang}", stacklevel=1)
+        pytest.xfail("intermittent hang of the 2-worker Horovod fit script (open bug; the "
+                     "processes' stacks are in the warnings summary)")
     ranks = [np.load(tmp_path / f"fit-{r}.npz") for r in range(2)]
     # Horovod's definitions: two processes on one host, or one on each of two hosts.
     local, cross = ([0, 1], [0, 0]) if where == "local" else ([0, 0], [0, 1])
