@@ -7,6 +7,8 @@
 * ``hosts``: ``--hosts``/``--hostfile`` parsing, slots, the address each worker binds.
 * ``remote``: what runs on the far side of ssh (the remote wrapper that ties a worker's life
   to its ssh connection).
+* ``horovodrun``: horovodrun's flags translated to tfdp-run's (pure): ``tfdp-run -np 4 -H
+  a:2,b:2 python train.py`` keeps a Horovod job's command line.
 
 The launcher <-> worker protocol (environment variables, control files, exit codes) has one
 home, ``tfdp.protocol``, which both sides import.
