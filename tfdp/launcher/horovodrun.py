@@ -133,6 +133,12 @@ def _fill_hosts(hosts: Sequence, count: int) -> list:
     return out
 
 
+def _agree(alias: str, value, own: str, own_value) -> None:
+    """A horovodrun flag and the tfdp-run flag it maps to, both given: they must agree."""
+    if value is not None and own_value is not None and own_value != value:
+        raise HorovodrunFlagError(f"{alias} {value} and {own} {own_value} disagree; give one")
+
+
 def _processes(g: Mapping, t: Translation):
     """``-np`` against ``--workers`` and the hosts' slots; returns the process count."""
     np_, workers, hosts = g.get("num_proc"), g.get("workers"), g.get("hosts")
@@ -140,8 +146,7 @@ def _processes(g: Mapping, t: Translation):
         return workers if hosts is None else sum(h.slots for h in hosts)
     if np_ < 1:
         raise HorovodrunFlagError(f"-np {np_}: need at least 1 process")
-    if workers is not None and workers != np_:
-        raise HorovodrunFlagError(f"-np {np_} and --workers {workers} disagree; give one")
+    _agree("-np", np_, "--workers", workers)
     if hosts is None:
         t.workers = np_
         return np_
@@ -162,16 +167,12 @@ def _elastic(g: Mapping, t: Translation, processes: Optional[int]) -> None:
     """``--min-np``, ``--max-np``, ``--reset-limit`` against tfdp-run's restart flags."""
     reset, restarts = g.get("reset_limit"), g.get("max_restarts")
     if reset is not None:
-        if restarts is not None and restarts != reset:
-            raise HorovodrunFlagError(f"--reset-limit {reset} and --max-restarts {restarts} "
-                                      "disagree; give one")
+        _agree("--reset-limit", reset, "--max-restarts", restarts)
         t.max_restarts = reset
         restarts = reset
     min_np, min_workers = g.get("min_np"), g.get("min_workers")
     if min_np is not None:
-        if min_workers is not None and min_workers != min_np:
-            raise HorovodrunFlagError(f"--min-np {min_np} and --min-workers {min_workers} "
-                                      "disagree; give one")
+        _agree("--min-np", min_np, "--min-workers", min_workers)
         if processes is not None and min_np < processes and not restarts:
             raise HorovodrunFlagError(
                 f"--min-np {min_np} needs --reset-limit R (tfdp-run's --max-restarts R): "
@@ -238,9 +239,7 @@ def translate(g: Mapping, environ: Mapping) -> Translation:
         t.notes.append(f"--start-timeout {t.start_timeout:g} (from {START_TIMEOUT_ENV})")
     out, log_dir = g.get("output_filename"), g.get("log_dir")
     if out is not None:
-        if log_dir is not None and log_dir != out:
-            raise HorovodrunFlagError(f"--output-filename {out} and --log-dir {log_dir} "
-                                      "disagree; give one")
+        _agree("--output-filename", out, "--log-dir", log_dir)
         t.log_dir = out
         t.notes.append(f"--output-filename {out}: each worker's stdout and stderr go to "
                        f"{out}/attempt-<k>/worker-<slot>.log (tfdp-run's --log-dir)")
