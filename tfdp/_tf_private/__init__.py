@@ -24,6 +24,8 @@ The areas:
 * ``keras_optimizer``: Keras's TensorFlow optimizer backend: gradient-reduction and
   LossScaleOptimizer patches, hooks and state ShardedOptimizer and LARS/LAMB use.
 * ``keras_random``: Keras's random draws and seeds (each replica draws what one device draws).
+* ``sharded_variable``: the distributed variable of ``shard_parameters=True`` (ZeRO-3): a
+  MirroredVariable whose components hold slices, and how the strategy's scope creates one.
 * ``keras_saving``: Keras saving and callbacks, TensorFlow's file writers and checkpoints
   (only the chief writes; agreed decisions).
 
@@ -123,12 +125,23 @@ from tfdp._tf_private.keras_optimizer import (
     patch_keras_gradient_reduction,
     patch_loss_scale_check_finite,
     patch_loss_scale_saving,
+    patch_keras_apply_gradients,
+    applying,
+    applying_variables,
     replace_variable_storage,
     set_optimizer_own_variables,
     uses_weight_decay,
     variable_index,
     variable_key,
     SHARED_STATE_STEPS,
+)
+from tfdp._tf_private.sharded_variable import (
+    SHARDED_VARIABLE_HOOKS,
+    ShardedVariable,
+    broadcast_initial_value,
+    create_sharded_variable,
+    is_sharded_variable,
+    sharded_container,
 )
 from tfdp._tf_private.keras_saving import (
     KERAS_BACKUP_PATH_ATTRIBUTES,
@@ -182,7 +195,10 @@ __all__ = [
     "variable_key", "patch_keras_gradient_reduction", "patch_loss_scale_check_finite",
     "patch_loss_scale_saving", "WHOLE_STEP_METHODS", "overridden_step_methods",
     "advances_shared_state", "advance_shared_state", "optimizer_state_lists",
-    "replace_variable_storage",
+    "replace_variable_storage", "patch_keras_apply_gradients", "applying", "applying_variables",
+    # sharded_variable
+    "SHARDED_VARIABLE_HOOKS", "ShardedVariable", "broadcast_initial_value",
+    "create_sharded_variable", "is_sharded_variable", "sharded_container",
     # keras_saving
     "patch_keras_file_writers", "patch_keras_makedirs", "patch_keras_export",
     "patch_tensorflow_file_writers", "patch_checkpoint_write", "patch_checkpoint_manager_save",

@@ -10,6 +10,8 @@ says why no public API serves; tests/test_tf_private.py pins them.
 
 from __future__ import annotations
 
+import threading
+
 import keras
 
 from tfdp._tf_private.core import _get, _patch, require_attributes
@@ -219,3 +221,37 @@ def patch_loss_scale_saving(make_save, make_load) -> None:
     """
     _patch(LossScaleOptimizer, "save_own_variables", make_save, "saving around ShardedOptimizer")
     _patch(LossScaleOptimizer, "load_own_variables", make_load, "loading around ShardedOptimizer")
+
+
+# --- Which variables a step updates (sharded parameters, strategy/sharded_parameters.py) -----
+_applying = threading.local()
+
+
+def patch_keras_apply_gradients(make) -> None:
+    """Class patch of Keras's ``_backend_apply_gradients``: ``make(original) -> replacement``.
+
+    Why: Keras's ``_clip_gradients(grads)``, where tfdp reduces and clips, is not told which
+    variables the gradients belong to, and with ``shard_parameters=True`` a sharded
+    parameter's gradient is reduced already and its norm is spread over replicas. The caller
+    one level up has both; no public hook passes the variables down.
+    """
+    _patch(TFOptimizer, "_backend_apply_gradients", make, "knowing the variables being updated")
+
+
+def applying_variables():
+    """The variables of the ``_backend_apply_gradients`` running in this thread, or None."""
+    return getattr(_applying, "variables", None)
+
+
+class applying(object):  # noqa: N801 (a context manager)
+    """``with applying(variables):`` around Keras's ``_backend_apply_gradients``."""
+
+    def __init__(self, variables):
+        self._variables = list(variables)
+
+    def __enter__(self):
+        self._outer = getattr(_applying, "variables", None)
+        _applying.variables = self._variables
+
+    def __exit__(self, *exc):
+        _applying.variables = self._outer

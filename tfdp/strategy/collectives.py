@@ -537,10 +537,30 @@ def install_keras_gradient_hooks():
     def make_clip_gradients(original_clip):
         def _clip_gradients(self, grads):
             strategy = _tfdp_strategy_in_replica_context(self)
-            if strategy is not None and not getattr(self, "_tfdp_reduces_itself", False):
-                grads = all_reduce_gradients(grads, strategy)
-            return original_clip(self, grads)
+            if strategy is None or getattr(self, "_tfdp_reduces_itself", False):
+                return original_clip(self, grads)
+            variables = _tf_private.applying_variables()
+            sharded = ([_tf_private.is_sharded_variable(v) for v in variables]
+                       if variables is not None and len(variables) == len(grads) else [])
+            if not any(sharded):
+                return original_clip(self, all_reduce_gradients(grads, strategy))
+            # shard_parameters=True: a sharded parameter's gradient is its slice, reduced
+            # already (reduce-scattered in the backward pass); norms span replicas.
+            from tfdp.strategy import sharded_parameters
+
+            mirrored = [i for i, s in enumerate(sharded) if not s]
+            reduced = all_reduce_gradients([grads[i] for i in mirrored], strategy)
+            grads = list(grads)
+            for i, g in zip(mirrored, reduced):
+                grads[i] = g
+            return sharded_parameters.clip_gradients(self, grads, variables, original_clip)
         return _clip_gradients
+
+    def make_apply_gradients(original_apply):
+        def _backend_apply_gradients(self, grads, trainable_variables):
+            with _tf_private.applying(trainable_variables):
+                return original_apply(self, grads, trainable_variables)
+        return _backend_apply_gradients
 
     def make_all_reduce_sum_gradients(original_all_reduce):
         def _all_reduce_sum_gradients(self, grads_and_vars):
@@ -561,4 +581,5 @@ def install_keras_gradient_hooks():
 
     _tf_private.patch_keras_gradient_reduction(make_clip_gradients,
                                                make_all_reduce_sum_gradients)
+    _tf_private.patch_keras_apply_gradients(make_apply_gradients)
     _tf_private.patch_loss_scale_check_finite(make_check_finite)

@@ -45,7 +45,8 @@ import tensorflow as tf
 
 from tfdp import _tf_private
 from tfdp.cluster import ClusterConfig
-from tfdp.strategy import collectives, deadline, keras_integration, lifecycle, randomness
+from tfdp.strategy import (collectives, deadline, keras_integration, lifecycle, randomness,
+                           sharded_parameters)
 from tfdp.strategy import devices as devices_lib
 from tfdp.strategy.options import (DEFAULT_BUCKET_BYTES, DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS,
                                    check_compression, describe_shared_gpu, jit_compile_error,
@@ -102,6 +103,8 @@ class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
         # The device type whose collective dtype limits apply (collectives.reduce_dtype).
         self._tfdp_reduce_device_type = local_device_type
         self._tfdp_device_indices = list(local_device_indices)
+        # None: every variable mirrored; else shard_parameters=True with this threshold.
+        self._tfdp_shard_min_elements = None
         super().__init__(container, cluster_resolver=cluster_resolver,
                          communication_options=options)
 
@@ -127,6 +130,14 @@ class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
         if (kwargs.get("aggregation") == tf.VariableAggregation.ONLY_FIRST_REPLICA
                 and kwargs.get("synchronization") != tf.VariableSynchronization.ON_READ):
             kwargs["aggregation"] = tf.VariableAggregation.NONE
+        if self._tfdp_shard_min_elements is not None:
+            # shard_parameters=True: sharded_parameters.create decides (its partition rule)
+            # and evaluates the initial value once; a variable it does not shard is mirrored
+            # from that value.
+            sharded = sharded_parameters.create(self, next_creator,
+                                                self._tfdp_shard_min_elements, kwargs)
+            if sharded is not None:
+                return sharded
         return super()._create_variable(next_creator, **kwargs)
 
     def _reduce_to(self, reduce_op, value, destinations, options):
@@ -192,13 +203,31 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             each replica the numbers one device draws for its rows of the global batch;
             ``"independent"``: the replica is folded into the seed (cheaper; independent
             draws, not one device's). See tfdp/strategy/randomness.py.
+        shard_parameters: ``True``: ZeRO stage 3. Trainable floating-point variables of at
+            least ``shard_min_elements`` elements created in ``scope()`` are stored as flat
+            1/R slices over all R replicas of all workers, and so is the optimizer state
+            made for them; a replica's forward pass all-gathers a parameter and its backward
+            pass reduce-scatters the gradient. Training equals one device;
+            ``get_weights``/``model.save``/checkpoints see whole tensors. See
+            tfdp/strategy/sharded_parameters.py and docs/zero.md.
+        shard_min_elements: with ``shard_parameters=True``, variables smaller than this stay
+            mirrored (biases, norms; default 16,384 elements).
     """
 
     _is_tfdp_strategy = True  # tfdp.strategy.is_data_parallel
 
     def __init__(self, devices=None, *, communication="auto", bucket_bytes=None,
                  compression=None, timeout_seconds=None, cluster=None, cluster_resolver=None,
-                 random_draws="as_one_device"):
+                 random_draws="as_one_device", shard_parameters=False,
+                 shard_min_elements=None):
+        if not isinstance(shard_parameters, bool):
+            raise ValueError(f"shard_parameters={shard_parameters!r} must be True or False.")
+        if shard_min_elements is None:
+            shard_min_elements = sharded_parameters.DEFAULT_SHARD_MIN_ELEMENTS
+        if (isinstance(shard_min_elements, bool) or not isinstance(shard_min_elements, int)
+                or shard_min_elements < 0):
+            raise ValueError(f"shard_min_elements={shard_min_elements!r} must be an integer "
+                             ">= 0 (0 shards every trainable floating-point variable).")
         cluster = _resolve_cluster(cluster, cluster_resolver)
         options = resolve_options(communication=communication, bucket_bytes=bucket_bytes,
                                   compression=compression, timeout_seconds=timeout_seconds,
@@ -233,6 +262,9 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         _tf_private.StrategyBase.__init__(
             self, _DataParallelExtended(self, _cluster_resolver(cluster),
                                         self._communication_options(), device_type, indices))
+        self._tfdp_shard_parameters = shard_parameters
+        if shard_parameters:
+            self.extended._tfdp_shard_min_elements = shard_min_elements
         if cluster.is_multi_worker:
             lifecycle.take_back_sigterm()
         lifecycle.announce_joined(cluster)
@@ -267,6 +299,8 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     bucket_bytes = property(lambda self: self._tfdp_bucket_bytes, doc="Gradient bucket bytes.")
     compression = property(lambda self: self._tfdp_compression, doc="Wire dtype, or None.")
     timeout_seconds = property(lambda self: self._tfdp_timeout, doc="The step deadline, or None.")
+    shard_parameters = property(lambda self: self._tfdp_shard_parameters,
+                                doc="True: parameters sharded over replicas (ZeRO-3).")
     random_draws = property(lambda self: self._tfdp_random_draws,
                             doc="'as_one_device' or 'independent' (strategy/randomness.py).")
 

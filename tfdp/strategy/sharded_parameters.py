@@ -1,0 +1,329 @@
+"""Sharded parameters: ZeRO stage 3 for ``DataParallelStrategy(shard_parameters=True)``.
+
+Partition rule. A trainable floating-point variable of at least ``shard_min_elements``
+elements, created in the strategy's scope, is flattened, padded with zeros to a multiple of R
+(all replicas of all workers) and cut into R equal slices: replica g (worker rank w, local
+replica i: g = w * local_replicas + i, the order of tfdp's collectives) stores elements
+``[g * S, (g + 1) * S)`` with ``S = ceil(n / R)`` (``shard_layout``). A large variable is
+split, never owned whole, so one embedding table spreads over every replica. Smaller
+variables (biases, norms), non-trainable ones (BatchNorm statistics, counters) and integer
+ones stay mirrored, as DeepSpeed's persistence threshold keeps them.
+
+Optimizer state follows its parameter: a variable the optimizer creates for a sharded
+parameter (``add_variable_from_reference``: Adam's moments, accumulators of
+``gradient_accumulation_steps``) is sharded the same way. State of another shape (Adafactor's
+factored moments) cannot be cut like its parameter and is refused when the optimizer builds.
+
+What a read means (``ShardSpec``):
+
+* a parameter read inside a replica (a layer's forward pass) is the whole tensor, all-gathered
+  from every replica's slice; its gradient is the reduce-scatter of the whole tensor's
+  gradient, so each replica's gradient for its slice is already the sum over all replicas
+  (the global-batch gradient with Keras's per-replica loss scaling);
+* the optimizer's update (``extended.update``) hands ``update_step`` the local slice and its
+  local state slices: elementwise optimizers (SGD, Adam, AdamW, RMSprop, ...) update shards as
+  they would the whole tensor;
+* outside any replica (``get_weights``, ``model.save``, checkpoints, ``numpy()``) a read is the
+  whole tensor, gathered from every replica (with several workers: a collective, so every
+  worker must take part, as with ShardedOptimizer's saves); assigning a whole tensor
+  (``set_weights``, loading, restoring) gives each replica its slice. Checkpoints therefore
+  hold whole tensors and restore on any replica count.
+
+Gradients: tfdp's Keras hooks (collectives.install_keras_gradient_hooks) all-reduce only the
+mirrored variables' gradients; the sharded ones arrive reduce-scattered. Norms over whole
+tensors (``clipnorm``, ``global_clipnorm``) add each replica's squared slice norms in one
+scalar all-reduce (``clip_gradients``), so clipping equals one device's.
+
+Memory between steps, per replica: (parameters + gradients + optimizer state) / R for the
+sharded variables. During a step this first stage keeps each gathered parameter until the
+backward pass has used it (TensorFlow's gradient of a matmul holds its operand), i.e. the
+whole model's parameters once per replica at the peak of a step; docs/zero.md has the numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import tensorflow as tf
+
+from tfdp import _tf_private
+from tfdp.strategy import collectives
+
+__all__ = ["ShardSpec", "shard_layout", "owner_of", "DEFAULT_SHARD_MIN_ELEMENTS",
+           "is_sharded", "clip_gradients", "sharded_bytes_per_replica"]
+
+# Variables smaller than this stay mirrored: gathering a 1,000-element bias costs a collective
+# round trip and saves a few kilobytes (DeepSpeed's stage3_param_persistence_threshold is 1e5).
+DEFAULT_SHARD_MIN_ELEMENTS = 16384
+
+
+def shard_layout(num_elements: int, num_shards: int) -> tuple[int, int]:
+    """``(S, pad)``: each of ``num_shards`` slices holds S elements, the last ``pad`` of the
+    flattened tensor's ``num_shards * S`` being zeros. Pure."""
+    if num_shards < 1:
+        raise ValueError(f"num_shards={num_shards} must be >= 1.")
+    size = max(1, math.ceil(num_elements / num_shards))
+    return size, size * num_shards - num_elements
+
+
+def owner_of(element: int, num_elements: int, num_shards: int) -> int:
+    """The replica whose slice holds flat element ``element``. Pure."""
+    if not 0 <= element < num_elements:
+        raise ValueError(f"element {element} is outside [0, {num_elements}).")
+    return element // shard_layout(num_elements, num_shards)[0]
+
+
+def is_sharded(variable) -> bool:
+    """True for a sharded parameter or state variable (Keras's, TensorFlow's or a slice)."""
+    return _tf_private.is_sharded_variable(variable)
+
+
+@dataclasses.dataclass(eq=False)
+class ShardSpec:
+    """One sharded variable: its whole shape, the layout, and what a read means.
+
+    Attributes:
+        shape: the whole tensor's shape.
+        dtype: its dtype.
+        num_shards: R, every replica of every worker.
+        first_shard: the global replica id of this worker's first local replica.
+        kind: ``"parameter"`` (a replica's read gathers) or ``"state"`` (a replica's read is
+            its slice).
+        strategy: the strategy that created it.
+    """
+
+    shape: tf.TensorShape
+    dtype: tf.DType
+    num_shards: int
+    first_shard: int
+    kind: str
+    strategy: object
+
+    @property
+    def num_elements(self) -> int:
+        return int(self.shape.num_elements())
+
+    @property
+    def shard_size(self) -> int:
+        return shard_layout(self.num_elements, self.num_shards)[0]
+
+    @property
+    def pad(self) -> int:
+        return shard_layout(self.num_elements, self.num_shards)[1]
+
+    # --- slices of a whole tensor (creation, assignment) ------------------------------------
+    def flat_padded(self, value):
+        flat = tf.reshape(tf.cast(tf.convert_to_tensor(value), self.dtype), [-1])
+        if self.pad:
+            flat = tf.concat([flat, tf.zeros([self.pad], self.dtype)], axis=0)
+        return flat
+
+    def slice_of(self, flat_padded, local_index: int):
+        start = (self.first_shard + local_index) * self.shard_size
+        return flat_padded[start:start + self.shard_size]
+
+    def slices_of(self, value):
+        value = tf.convert_to_tensor(value)
+        if value.shape.num_elements() != self.num_elements:
+            raise ValueError(f"Cannot assign a value of shape {value.shape} to a sharded "
+                             f"variable of shape {self.shape}.")
+        flat = self.flat_padded(value)
+        local = len(self.strategy.extended.worker_devices)
+        return [self.slice_of(flat, i) for i in range(local)]
+
+    def whole_from_flat(self, flat):
+        if self.pad:
+            flat = flat[:self.num_elements]
+        return tf.reshape(flat, self.shape)
+
+    # --- reads ------------------------------------------------------------------------------
+    def read_in_replica(self, component):
+        shard = component.value()
+        if self.kind != "parameter":
+            return shard
+        return _gather_with_reduce_scatter_gradient(shard, self)
+
+    def read_whole(self, components):
+        components = list(components)
+        if self.first_shard == 0 and len(components) == self.num_shards:
+            # Every slice is in this process: no collective.
+            with tf.device(components[0].device):
+                return self.whole_from_flat(tf.concat([c.value() for c in components], axis=0))
+        if not tf.executing_eagerly():
+            raise ValueError(
+                "tfdp: a sharded variable cannot be read whole inside a tf.function outside "
+                "strategy.run with several workers: its slices live on other workers. Read it "
+                "inside strategy.run (a replica gathers it) or eagerly (every worker gathers "
+                "it together, as get_weights and model.save do).")
+        return _gather_across_workers(components, self)
+
+
+def _gather_with_reduce_scatter_gradient(shard, spec: ShardSpec):
+    """The whole tensor from every replica's slice; backward: this slice's summed gradient."""
+    num_shards, size = spec.num_shards, spec.shard_size
+
+    @tf.custom_gradient
+    def gather(x):
+        whole = spec.whole_from_flat(collectives.all_gather(x))
+
+        def grad(dy):
+            flat = spec.flat_padded(tf.convert_to_tensor(dy))
+            return collectives.reduce_scatter(tf.reshape(flat, [num_shards, size]))
+
+        return whole, grad
+
+    return gather(shard)
+
+
+def _gather_across_workers(components, spec: ShardSpec):
+    """Eagerly, every slice from every worker (a collective all workers run together)."""
+    strategy = spec.strategy
+
+    @tf.function
+    def gather():
+        def fn():
+            return collectives.all_gather(components[collectives.local_replica_index()].value())
+        return strategy.run(fn)
+
+    flat = strategy.experimental_local_results(gather())[0]
+    return spec.whole_from_flat(flat)
+
+
+def create(extended, next_creator, min_elements, kwargs: dict):
+    """A ShardedVariable for the creator's ``kwargs`` when the partition rule shards it, else
+    None.
+
+    ``kwargs["initial_value"]`` is evaluated at most once: when the variable is not sharded
+    the caller passes the evaluated value on (``kwargs`` is updated in place), so an
+    initializer's random draw is never repeated.
+    """
+    strategy = extended._container_strategy()  # noqa: SLF001 (our own extended object)
+    devices = list(extended.worker_devices)
+    rank = strategy.cluster.rank
+    colocate_with = kwargs.get("colocate_with")
+    container = _tf_private.sharded_container(colocate_with) if colocate_with is not None else None
+    trainable = kwargs.get("trainable")
+    synchronization = kwargs.get("synchronization")
+    if synchronization == tf.VariableSynchronization.ON_READ:
+        return None
+    if container is None and trainable is False:
+        return None
+    initial_value = kwargs["initial_value"]
+    dtype = kwargs.get("dtype")
+    with tf.init_scope(), tf.device(devices[0]):
+        value = initial_value() if callable(initial_value) else initial_value
+        value = getattr(value, "wrapped_value", value)  # a CheckpointInitialValue
+        value = tf.convert_to_tensor(value, dtype=dtype)
+    kwargs["initial_value"] = value
+    if not value.dtype.is_floating or not value.shape.is_fully_defined():
+        return None
+    if container is not None:
+        if value.shape != container.shape:
+            raise ValueError(
+                f"tfdp: the optimizer creates state of shape {value.shape} for the sharded "
+                f"parameter {container.name} of shape {container.shape}; with "
+                "shard_parameters=True each replica updates only its slice, so optimizer "
+                "state must be elementwise (shaped like its parameter: SGD, Adam, AdamW, "
+                "RMSprop, Adagrad, Lion, ...). Factored or matrix-wise optimizers (Adafactor, "
+                "Muon) cannot update a slice: use an elementwise optimizer, or "
+                "shard_parameters=False with tfdp.ShardedOptimizer.")
+        kind = "state"
+    elif value.shape.num_elements() < max(1, min_elements):
+        return None
+    else:
+        kind = "parameter"
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("colocate_with", "shape")}
+    num_shards = strategy.num_replicas_in_sync
+    spec = ShardSpec(shape=value.shape, dtype=value.dtype, num_shards=num_shards,
+                     first_shard=rank * len(devices), kind=kind, strategy=strategy)
+    if strategy.cluster.is_multi_worker and container is None:
+        # Every worker slices the chief's value (initializers may draw differently per worker).
+        whole = _tf_private.broadcast_initial_value(
+            extended, devices[0], **dict(kwargs, initial_value=value))
+        with tf.init_scope(), tf.device(devices[0]):
+            value = whole()
+
+    def make_components(**component_kwargs):
+        with tf.init_scope(), tf.device(devices[0]):
+            flat = spec.flat_padded(value)
+        components = []
+        for i, device in enumerate(devices):
+            args = dict(component_kwargs)
+            if i:
+                args["name"] = "%s/replica_%d/" % (components[0].name.split(":")[0], i)
+            with tf.device(device):
+                args["initial_value"] = tf.identity(spec.slice_of(flat, i))
+                components.append(next_creator(**args))
+        return components
+
+    return _tf_private.create_sharded_variable(strategy, make_components, spec, **kwargs)
+
+
+# --- Clipping with sharded gradients -----------------------------------------------------------
+
+def _squared_norm(g):
+    g = tf.convert_to_tensor(g)
+    return tf.reduce_sum(tf.square(tf.cast(g, tf.float32)))
+
+
+def clip_gradients(optimizer, grads, variables, original_clip):
+    """Keras's ``_clip_gradients`` when some of ``variables`` are sharded.
+
+    ``grads`` of sharded variables are this replica's slices, already summed over replicas;
+    the others are already all-reduced. A whole tensor's squared norm is the sum of its slices'
+    squared norms over all replicas: one scalar all-reduce per clipped tensor (``clipnorm``) or
+    one in all (``global_clipnorm``). The arithmetic is Keras's own (tf.clip_by_norm and
+    Keras's clip_by_global_norm), with the norm replaced.
+    """
+    sharded = [_tf_private.is_sharded_variable(v) for v in variables]
+    if optimizer.clipnorm and optimizer.clipnorm > 0:
+        out = []
+        for g, is_shard in zip(grads, sharded):
+            if g is None or not is_shard:
+                out.append(None if g is None else optimizer._clip_by_norm(g))  # noqa: SLF001
+                continue
+            l2sum = collectives.all_reduce(_squared_norm(g))
+            out.append(_clip_by_norm_with(g, optimizer.clipnorm, l2sum))
+        return out
+    if optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
+        mirrored = [_squared_norm(g) for g, s in zip(grads, sharded) if g is not None and not s]
+        slices = [_squared_norm(g) for g, s in zip(grads, sharded) if g is not None and s]
+        total = collectives.all_reduce(tf.add_n(slices)) if slices else 0.0
+        if mirrored:
+            total = total + tf.add_n(mirrored)
+        norm = tf.sqrt(total)
+        clip = tf.cast(optimizer.global_clipnorm, norm.dtype)
+        scale = clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
+        return [None if g is None else g * tf.cast(scale, g.dtype) for g in grads]
+    return original_clip(optimizer, grads)
+
+
+def _clip_by_norm_with(t, clip_norm, l2sum):
+    """tf.clip_by_norm's arithmetic for ``t`` whose squared norm is ``l2sum``."""
+    l2sum = tf.cast(l2sum, t.dtype)
+    positive = l2sum > 0
+    safe = tf.where(positive, l2sum, tf.ones_like(l2sum))
+    l2norm = tf.where(positive, tf.sqrt(safe), l2sum)
+    clip_norm = tf.cast(clip_norm, t.dtype)
+    return t * clip_norm / tf.maximum(l2norm, clip_norm)
+
+
+def sharded_bytes_per_replica(variables, strategy=None) -> list[int]:
+    """Bytes each local replica holds of ``variables``: a sharded one its slice, a mirrored one
+    the whole tensor, a single-device one on its device only."""
+    strategy = strategy or tf.distribute.get_strategy()
+    devices = [tf.DeviceSpec.from_string(d).to_string() for d in strategy.extended.worker_devices]
+    totals = [0] * len(devices)
+    for variable in variables:
+        value = getattr(variable, "value", variable)
+        container = _tf_private.sharded_container(value)
+        parts = (container.components if container is not None
+                 else getattr(value, "values", None) or (value,))
+        for part in parts:
+            device = tf.DeviceSpec.from_string(part.device).to_string()
+            size = int(part.shape.num_elements()) * tf.as_dtype(part.dtype).size
+            for k, d in enumerate(devices):
+                if d == device:
+                    totals[k] += size
+    return totals
