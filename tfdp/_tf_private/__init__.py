@@ -126,6 +126,7 @@ from tfdp._tf_private.keras_optimizer import (
     patch_loss_scale_check_finite,
     patch_loss_scale_saving,
     patch_keras_apply_gradients,
+    patch_keras_moving_average_update,
     applying,
     applying_variables,
     replace_variable_storage,
@@ -141,6 +142,7 @@ from tfdp._tf_private.sharded_variable import (
     broadcast_initial_value,
     create_sharded_variable,
     is_sharded_variable,
+    reading_slices,
     sharded_container,
 )
 from tfdp._tf_private.keras_saving import (
@@ -195,10 +197,10 @@ __all__ = [
     "variable_key", "patch_keras_gradient_reduction", "patch_loss_scale_check_finite",
     "patch_loss_scale_saving", "WHOLE_STEP_METHODS", "overridden_step_methods",
     "advances_shared_state", "advance_shared_state", "optimizer_state_lists",
-    "replace_variable_storage", "patch_keras_apply_gradients", "applying", "applying_variables",
+    "replace_variable_storage", "patch_keras_apply_gradients", "patch_keras_moving_average_update", "applying", "applying_variables",
     # sharded_variable
     "SHARDED_VARIABLE_HOOKS", "ShardedVariable", "broadcast_initial_value",
-    "create_sharded_variable", "is_sharded_variable", "sharded_container",
+    "create_sharded_variable", "is_sharded_variable", "sharded_container", "reading_slices",
     # keras_saving
     "patch_keras_file_writers", "patch_keras_makedirs", "patch_keras_export",
     "patch_tensorflow_file_writers", "patch_checkpoint_write", "patch_checkpoint_manager_save",

@@ -191,6 +191,23 @@ def variable_key(optimizer, variable):
     return optimizer._var_key(variable)  # noqa: SLF001
 
 
+# Why: ShardedOptimizer clips the reduced gradients of the variables a replica owns and must
+# clip them exactly as Keras does on one device: ``clipnorm`` by Keras's ``_clip_by_norm``
+# (which makes a sparse gradient dense) and ``clipvalue`` by ``ops.clip``. The wrapped
+# optimizer's ``_clip_gradients`` is tfdp's patch (it would reduce again); Keras's own step is
+# the base class's, which nothing patches. No public API clips without applying.
+from keras.src.optimizers.base_optimizer import BaseOptimizer  # noqa: E402
+
+require_attributes(BaseOptimizer, ("_clip_gradients", "_clip_by_norm"),
+                   "Keras's own clipping, for ShardedOptimizer's owned gradients")
+
+
+def keras_clip_gradients(optimizer, grads) -> list:
+    """Keras's own clipping step of ``optimizer`` (``clipnorm``, ``global_clipnorm`` or
+    ``clipvalue`` as Keras computes them on these gradients), without tfdp's reduction."""
+    return list(BaseOptimizer._clip_gradients(optimizer, grads))  # noqa: SLF001
+
+
 # --- Class patches (collectives.py, sharded_state.py) --------------------------------------
 
 def patch_keras_gradient_reduction(make_clip_gradients, make_all_reduce_sum_gradients) -> None:
@@ -255,3 +272,15 @@ class applying(object):  # noqa: N801 (a context manager)
 
     def __exit__(self, *exc):
         _applying.variables = self._outer
+
+
+def patch_keras_moving_average_update(make) -> None:
+    """Class patch of Keras's ``_update_model_variables_moving_average`` (``use_ema=True``).
+
+    Why: it assigns through the Keras variable, whose shape check wants the whole tensor,
+    while with ``shard_parameters=True`` a replica updates only its slice of the average.
+    No public hook; tfdp's replacement does the same arithmetic on the slices
+    (strategy/sharded_parameters.py).
+    """
+    _patch(TFOptimizer, "_update_model_variables_moving_average", make,
+           "updating sharded moving averages")

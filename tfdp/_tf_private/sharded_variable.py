@@ -17,6 +17,9 @@ tests/test_tf_private.py and tests/test_zero3.py.
 
 from __future__ import annotations
 
+import threading
+
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib as _distribute_lib
 from tensorflow.python.distribute import distribute_utils as _distribute_utils
@@ -51,6 +54,21 @@ def current_replica_id():
 def in_update_context() -> bool:
     """True inside ``extended.update``'s per-device function in a cross-replica context."""
     return _distribute_lib.get_update_replica_id() is not None
+
+
+_reads = threading.local()
+
+
+class reading_slices(object):  # noqa: N801 (a context manager)
+    """Inside it, a sharded parameter read in a replica is that replica's slice, not the
+    gathered tensor: the optimizer's step (Keras's EMA update reads the model variables)."""
+
+    def __enter__(self):
+        self._outer = getattr(_reads, "slices", False)
+        _reads.slices = True
+
+    def __exit__(self, *exc):
+        _reads.slices = self._outer
 
 
 class ShardedVariable(_values.MirroredVariable):
@@ -89,7 +107,10 @@ class ShardedVariable(_values.MirroredVariable):
         replica_id = current_replica_id()
         if replica_id is None:
             return self._tfdp_spec.read_whole(self._values)
-        return self._tfdp_spec.read_in_replica(self._get_replica(replica_id))
+        component = self._get_replica(replica_id)
+        if getattr(_reads, "slices", False):
+            return component.value()
+        return self._tfdp_spec.read_in_replica(component)
 
     def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
         value = self._read()
@@ -109,26 +130,41 @@ class ShardedVariable(_values.MirroredVariable):
     def numpy(self):
         return self._tfdp_spec.read_whole(self._values).numpy()
 
+    def __array__(self, dtype=None):
+        # Keras's saving converts variables with np.asarray; the delegate would give a slice.
+        return np.asarray(self.numpy(), dtype=dtype)
+
     # --- writes of the whole tensor (set_weights, loading, restoring) --------------------------
     def _assign_whole(self, method, value, read_value):
         for component, piece in zip(self._values, self._tfdp_spec.slices_of(value)):
             getattr(component, method)(piece, read_value=False)
         return self if read_value else None
 
+    def _in_replica(self, value):
+        """A whole-shaped value assigned in a replica (Keras resetting its gradient
+        accumulators with zeros of the variable's shape) means this replica's slice of it."""
+        replica_id = current_replica_id()
+        value = tf.convert_to_tensor(value)
+        if (replica_id is not None and value.shape.is_fully_defined()
+                and value.shape == self._tfdp_spec.shape
+                and value.shape != self._values[replica_id].shape):
+            value = self._tfdp_spec.slices_of(value)[replica_id]
+        return value
+
     def assign(self, value, use_locking=False, name=None, read_value=True):
         if current_replica_id() is None and not in_update_context():
             return self._assign_whole("assign", value, read_value)
-        return super().assign(value, use_locking, name, read_value)
+        return super().assign(self._in_replica(value), use_locking, name, read_value)
 
     def assign_add(self, value, use_locking=False, name=None, read_value=True):
         if current_replica_id() is None and not in_update_context():
             return self._assign_whole("assign_add", value, read_value)
-        return super().assign_add(value, use_locking, name, read_value)
+        return super().assign_add(self._in_replica(value), use_locking, name, read_value)
 
     def assign_sub(self, value, use_locking=False, name=None, read_value=True):
         if current_replica_id() is None and not in_update_context():
             return self._assign_whole("assign_sub", value, read_value)
-        return super().assign_sub(value, use_locking, name, read_value)
+        return super().assign_sub(self._in_replica(value), use_locking, name, read_value)
 
     # --- checkpoints: the whole tensor, so a checkpoint restores on any replica count --------
     def _gather_saveables_for_checkpoint(self):

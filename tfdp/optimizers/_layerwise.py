@@ -14,11 +14,22 @@ import tensorflow as tf
 from keras import ops
 
 from tfdp import _tf_private
+from tfdp.strategy import collectives
 
 
-def norm(x):
-    """Euclidean norm of a whole tensor (the "layer" norm of LARS/LAMB)."""
-    return ops.sqrt(ops.sum(ops.square(x)))
+def norm(x, of=None):
+    """Euclidean norm of a whole tensor (the "layer" norm of LARS/LAMB).
+
+    ``of``: the variable ``x`` belongs to (the variable itself, its gradient or its update).
+    When it is a slice of a sharded parameter (``shard_parameters=True``), ``x`` is this
+    replica's slice and the whole tensor's squared norm is the sum over replicas: one scalar
+    all-reduce, so the trust ratio equals one device's.
+    """
+    squared = ops.sum(ops.square(x))
+    if (of is not None and tf.distribute.get_replica_context() is not None
+            and _tf_private.is_sharded_variable(of)):
+        squared = collectives.all_reduce(squared)
+    return ops.sqrt(squared)
 
 
 def trust_ratio(numerator_norm, denominator, *, clip=None):

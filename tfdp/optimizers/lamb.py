@@ -74,7 +74,8 @@ class LAMB(_layerwise.LayerAdaptationMixin, keras.optimizers.Optimizer):
         if wd is not None:
             update = update + wd * variable
         if self._uses_layer_adaptation(variable):
-            ratio = _layerwise.trust_ratio(_layerwise.norm(variable), _layerwise.norm(update),
+            ratio = _layerwise.trust_ratio(_layerwise.norm(variable, of=variable),
+                                           _layerwise.norm(update, of=variable),
                                            clip=self.trust_ratio_clip)
         else:
             ratio = ops.cast(1.0, dtype)

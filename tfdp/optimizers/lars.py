@@ -69,8 +69,8 @@ class LARS(_layerwise.LayerAdaptationMixin, keras.optimizers.Optimizer):
         wd = self._weight_decay_for(variable)
         d = g if wd is None else g + wd * variable
         if self._uses_layer_adaptation(variable):
-            w_norm = _layerwise.norm(variable)
-            denominator = _layerwise.norm(g) + self.epsilon
+            w_norm = _layerwise.norm(variable, of=variable)
+            denominator = _layerwise.norm(g, of=variable) + self.epsilon
             if wd is not None:
                 denominator = denominator + wd * w_norm
             ratio = _layerwise.trust_ratio(self.trust_coefficient * w_norm, denominator,

@@ -558,7 +558,9 @@ def install_keras_gradient_hooks():
 
     def make_apply_gradients(original_apply):
         def _backend_apply_gradients(self, grads, trainable_variables):
-            with _tf_private.applying(trainable_variables):
+            # The optimizer's step reads sharded parameters as this replica's slices
+            # (shard_parameters=True: Keras's EMA update reads the model variables).
+            with _tf_private.applying(trainable_variables), _tf_private.reading_slices():
                 return original_apply(self, grads, trainable_variables)
         return _backend_apply_gradients
 

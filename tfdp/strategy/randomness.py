@@ -31,47 +31,26 @@ not match one device's. ``keras.random.shuffle`` permutes within a replica's bat
 device's permutation moves examples across the global batch, which data parallelism cannot).
 
 Mechanism. ``DataParallelStrategy.run`` wraps the replica function so that it knows its
-strategy and ``b`` (``replica_function``); the Keras TensorFlow backend's draw functions are
+strategy and ``b`` (``replica_function``; ``replica_batch.py`` holds them, sparse gradients
+read them too); the Keras TensorFlow backend's draw functions are
 patched (``install_keras_hooks``, through ``keras_integration``) to ask for them. Outside a
 tfdp replica function, or with one replica, Keras draws exactly as it would without tfdp.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-import threading
 
 import tensorflow as tf
 
 from tfdp import _tf_private
 from tfdp.strategy import collectives
+from tfdp.strategy.replica_batch import current as _current
+from tfdp.strategy.replica_batch import leading_batch_size
+from tfdp.strategy.replica_batch import running as _running
 
 __all__ = ["replica_function", "install_keras_hooks", "leading_batch_size", "deal_rows"]
-
-_replica = threading.local()  # replicas trace their steps in threads of their own
-
-
-def leading_batch_size(args, kwargs):
-    """The leading dimension of the first tensor of rank >= 1 in ``args``/``kwargs``: an int
-    where it is static, else a scalar tensor; None when there is none."""
-    for value in tf.nest.flatten((args, kwargs or {})):
-        if isinstance(value, tf.Tensor) and value.shape.rank:
-            return value.shape[0] if value.shape[0] is not None else tf.shape(value)[0]
-    return None
-
-
-@contextlib.contextmanager
-def _running(strategy, batch):
-    stack = getattr(_replica, "stack", None)
-    if stack is None:
-        stack = _replica.stack = []
-    stack.append((strategy, batch))
-    try:
-        yield
-    finally:
-        stack.pop()
 
 
 def replica_function(strategy, fn):
@@ -85,19 +64,6 @@ def replica_function(strategy, fn):
             return converted(*args, **kwargs)
 
     return functools.wraps(fn)(run_replica)
-
-
-def _current():
-    """``(strategy, batch)`` of the tfdp replica function running in this thread, or None
-    outside one, with one replica, or when another strategy's replica context is current."""
-    stack = getattr(_replica, "stack", None)
-    if not stack:
-        return None
-    strategy, batch = stack[-1]
-    context = tf.distribute.get_replica_context()
-    if context is None or context.strategy is not strategy or strategy.num_replicas_in_sync < 2:
-        return None
-    return strategy, batch
 
 
 def _seed(seed_argument, strategy, batch):

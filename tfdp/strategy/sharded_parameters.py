@@ -51,7 +51,7 @@ from tfdp import _tf_private
 from tfdp.strategy import collectives
 
 __all__ = ["ShardSpec", "shard_layout", "owner_of", "DEFAULT_SHARD_MIN_ELEMENTS",
-           "is_sharded", "clip_gradients", "sharded_bytes_per_replica"]
+           "is_sharded", "clip_gradients", "sharded_bytes_per_replica", "slice_gradient"]
 
 # Variables smaller than this stay mirrored: gathering a 1,000-element bias costs a collective
 # round trip and saves a few kilobytes (DeepSpeed's stage3_param_persistence_threshold is 1e5).
@@ -176,6 +176,15 @@ def _gather_with_reduce_scatter_gradient(shard, spec: ShardSpec):
     return gather(shard)
 
 
+def slice_gradient(variable, whole_gradient):
+    """This replica's slice of the sum over replicas of ``whole_gradient`` (a gradient taken
+    with respect to the gathered tensor, as tfdp's XLA step does): the reduce-scatter a
+    replica's read would have run in the backward pass."""
+    spec = _tf_private.sharded_container(getattr(variable, "value", variable)).tfdp_spec
+    flat = spec.flat_padded(tf.convert_to_tensor(whole_gradient))
+    return collectives.reduce_scatter(tf.reshape(flat, [spec.num_shards, spec.shard_size]))
+
+
 def _gather_across_workers(components, spec: ShardSpec):
     """Eagerly, every slice from every worker (a collective all workers run together)."""
     strategy = spec.strategy
@@ -258,6 +267,28 @@ def create(extended, next_creator, min_elements, kwargs: dict):
         return components
 
     return _tf_private.create_sharded_variable(strategy, make_components, spec, **kwargs)
+
+
+# --- Keras's moving averages (use_ema=True) ---------------------------------------------------
+
+def install_keras_hooks():
+    """Keras's EMA update assigns slices of the averages of sharded parameters (idempotent)."""
+    def make(original):
+        def _update_model_variables_moving_average(self, trainable_variables):
+            averages = _tf_private.moving_averages(self) if self.use_ema else []
+            if not any(_tf_private.is_sharded_variable(a) for a in averages if a is not None):
+                return original(self, trainable_variables)
+            # Keras's arithmetic; the assignment goes to the TensorFlow variable, which in a
+            # replica writes this replica's slice (both reads are slices in the step).
+            for variable, average in zip(trainable_variables, averages):
+                if average is None:
+                    continue
+                not_first_step = tf.not_equal(self.iterations, 0)
+                momentum = tf.cast(not_first_step, variable.dtype) * self.ema_momentum
+                average.value.assign(momentum * average + (1 - momentum) * variable)
+        return _update_model_variables_moving_average
+
+    _tf_private.patch_keras_moving_average_update(make)
 
 
 # --- Clipping with sharded gradients -----------------------------------------------------------

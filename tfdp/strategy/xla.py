@@ -38,7 +38,8 @@ import keras
 import tensorflow as tf
 
 from tfdp import _tf_private
-from tfdp.strategy import collectives, deadline, is_data_parallel, timing
+from tfdp.strategy import (collectives, deadline, is_data_parallel, sharded_parameters,
+                           timing)
 
 __all__ = ["compile_gradients", "CompiledGradients", "compiled_train_step",
            "resolve_auto_jit_compile", "step_plan", "rides_metrics", "install_keras_hooks",
@@ -146,7 +147,11 @@ class CompiledGradients:
         for variable, new in zip(self.state_variables, updated):
             if new is not None:
                 variable.assign(new)
-        return out, list(grads)
+        # shard_parameters=True: the compiled function took gathered parameters (gathered
+        # by _read, outside XLA); their gradients are reduce-scattered outside it too.
+        return out, [sharded_parameters.slice_gradient(v, g)
+                     if g is not None and sharded_parameters.is_sharded(v) else g
+                     for v, g in zip(self.variables, grads)]
 
 
     def _check_captures(self, values, state_values, args, kwargs):
