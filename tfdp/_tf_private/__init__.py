@@ -24,6 +24,8 @@ The areas:
 * ``keras_optimizer``: Keras's TensorFlow optimizer backend: gradient-reduction and
   LossScaleOptimizer patches, hooks and state ShardedOptimizer and LARS/LAMB use.
 * ``keras_random``: Keras's random draws and seeds (each replica draws what one device draws).
+* ``gradients``: TensorFlow's gradient functions: which lookup each row of a sparse
+  (IndexedSlices) gradient comes from.
 * ``sharded_variable``: the distributed variable of ``shard_parameters=True`` (ZeRO-3): a
   MirroredVariable whose components hold slices, and how the strategy's scope creates one.
 * ``keras_saving``: Keras saving and callbacks, TensorFlow's file writers and checkpoints
@@ -105,6 +107,7 @@ from tfdp._tf_private.keras_trainer import (
     unscale_loss_for_distribution,
     patch_keras_fit,
 )
+from tfdp._tf_private.gradients import GATHER_GRADIENT_OPS, lookup_ids
 from tfdp._tf_private.keras_optimizer import (
     LAYERWISE_HOOKS,
     OPTIMIZER_HOOKS,
@@ -116,6 +119,7 @@ from tfdp._tf_private.keras_optimizer import (
     apply_weight_decay,
     gradient_accumulators,
     has_own_weight_decay,
+    keras_clip_gradients,
     moving_averages,
     optimizer_own_variables,
     optimizer_state_lists,
@@ -141,6 +145,7 @@ from tfdp._tf_private.sharded_variable import (
     ShardedVariable,
     broadcast_initial_value,
     create_sharded_variable,
+    in_keras_symbolic_scope,
     is_sharded_variable,
     reading_slices,
     sharded_container,
@@ -188,8 +193,10 @@ __all__ = [
     "keras_model_supports_jit", "keras_compute_loss", "keras_call_has_training_arg",
     "keras_loss_tracker", "unscale_loss_for_distribution", "set_keras_epoch_length",
     "keras_epoch_length", "set_keras_initial_epoch",
+    # gradients
+    "GATHER_GRADIENT_OPS", "lookup_ids",
     # keras_optimizer
-    "SHARED_STATE_STEPS",
+    "SHARED_STATE_STEPS", "keras_clip_gradients",
     "TFOptimizer", "LossScaleOptimizer", "OPTIMIZER_HOOKS", "LAYERWISE_HOOKS",
     "optimizer_strategy", "optimizer_step_counter", "optimizer_own_variables",
     "set_optimizer_own_variables", "gradient_accumulators", "moving_averages",
@@ -201,6 +208,7 @@ __all__ = [
     # sharded_variable
     "SHARDED_VARIABLE_HOOKS", "ShardedVariable", "broadcast_initial_value",
     "create_sharded_variable", "is_sharded_variable", "sharded_container", "reading_slices",
+    "in_keras_symbolic_scope",
     # keras_saving
     "patch_keras_file_writers", "patch_keras_makedirs", "patch_keras_export",
     "patch_tensorflow_file_writers", "patch_checkpoint_write", "patch_checkpoint_manager_save",

@@ -51,6 +51,19 @@ def current_replica_id():
     return _values_util.get_current_replica_id_as_int()
 
 
+def in_keras_symbolic_scope() -> bool:
+    """True while Keras traces a model on symbolic inputs to learn output shapes
+    (``compute_output_spec``, the symbolic build of ``fit``); values read there are never used.
+
+    Why: no public API tells Keras's shape inference from a real computation, and with several
+    workers a sharded variable's whole value needs a collective that shape inference must
+    not launch.
+    """
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+    return bool(in_symbolic_scope())
+
+
 def in_update_context() -> bool:
     """True inside ``extended.update``'s per-device function in a cross-replica context."""
     return _distribute_lib.get_update_replica_id() is not None
@@ -100,11 +113,17 @@ class ShardedVariable(_values.MirroredVariable):
     def components(self):
         return tuple(self._values)
 
+    def _replica_id(self):
+        """This replica's index in a replica context of the variable's strategy, else None
+        (outside any scope the default replica context is not one of its replicas)."""
+        with _distribute_lib.enter_or_assert_strategy(self._distribute_strategy):
+            return current_replica_id()
+
     # --- reads -------------------------------------------------------------------------------
     def _read(self):
         if _values_util.is_saving_non_distributed():
             return self._tfdp_spec.read_whole(self._values)
-        replica_id = current_replica_id()
+        replica_id = self._replica_id()
         if replica_id is None:
             return self._tfdp_spec.read_whole(self._values)
         component = self._get_replica(replica_id)
@@ -143,7 +162,7 @@ class ShardedVariable(_values.MirroredVariable):
     def _in_replica(self, value):
         """A whole-shaped value assigned in a replica (Keras resetting its gradient
         accumulators with zeros of the variable's shape) means this replica's slice of it."""
-        replica_id = current_replica_id()
+        replica_id = self._replica_id()
         value = tf.convert_to_tensor(value)
         if (replica_id is not None and value.shape.is_fully_defined()
                 and value.shape == self._tfdp_spec.shape
@@ -152,17 +171,17 @@ class ShardedVariable(_values.MirroredVariable):
         return value
 
     def assign(self, value, use_locking=False, name=None, read_value=True):
-        if current_replica_id() is None and not in_update_context():
+        if self._replica_id() is None and not in_update_context():
             return self._assign_whole("assign", value, read_value)
         return super().assign(self._in_replica(value), use_locking, name, read_value)
 
     def assign_add(self, value, use_locking=False, name=None, read_value=True):
-        if current_replica_id() is None and not in_update_context():
+        if self._replica_id() is None and not in_update_context():
             return self._assign_whole("assign_add", value, read_value)
         return super().assign_add(self._in_replica(value), use_locking, name, read_value)
 
     def assign_sub(self, value, use_locking=False, name=None, read_value=True):
-        if current_replica_id() is None and not in_update_context():
+        if self._replica_id() is None and not in_update_context():
             return self._assign_whole("assign_sub", value, read_value)
         return super().assign_sub(self._in_replica(value), use_locking, name, read_value)
 

@@ -98,7 +98,7 @@ from tfdp.optimizers._layerwise import dense
 from tfdp.optimizers.sharded_state import (ConsolidatedState, StatePlacement, _is_stand_in,
                                            install_loss_scale_saving_hooks,
                                            optimizer_state_bytes_per_replica)
-from tfdp.strategy import collectives, is_data_parallel
+from tfdp.strategy import collectives, is_data_parallel, sparse_gradients
 
 __all__ = ["ShardedOptimizer", "partition", "ACCUMULATION_MODES"]
 
@@ -259,6 +259,12 @@ class ShardedOptimizer(ConsolidatedState, keras.optimizers.Optimizer):
             return
         super().build(var_list)
         strategy, num_replicas, rank, local_devices = self._topology()
+        if getattr(strategy, "shard_parameters", False):
+            raise ValueError(
+                "tfdp.ShardedOptimizer is ZeRO stages 1-2 and the strategy was built with "
+                "shard_parameters=True (ZeRO-3), which shards the optimizer state with the "
+                "parameters already. Compile with the wrapped optimizer itself: "
+                f"optimizer={type(self.inner_optimizer).__name__}(...).")
         inner = self.inner_optimizer
         counter = _tf_private.optimizer_step_counter(inner)
         if num_replicas > 1 and not isinstance(getattr(counter, "value", None),
@@ -447,10 +453,10 @@ class ShardedOptimizer(ConsolidatedState, keras.optimizers.Optimizer):
         sparse = [i for i, g in grad_of.items() if isinstance(g, tf.IndexedSlices)]
         owned = {}
         if sparse:
-            # Sparse gradients travel as IndexedSlices (an all-gather of rows, as TensorFlow
-            # reduces them unsharded), so optimizers with sparse update rules stay exact.
-            reduced = tf.distribute.get_replica_context().all_reduce(
-                tf.distribute.ReduceOp.SUM, [grad_of[i] for i in sparse])
+            # Sparse gradients travel as IndexedSlices, reduced into the rows one device has
+            # (sparse_gradients.py), so optimizers with sparse update rules stay exact.
+            reduced = sparse_gradients.reduce_indexed_slices([grad_of[i] for i in sparse],
+                                                             strategy)
             owned.update((i, g) for i, g in zip(sparse, reduced) if self._owners[i] == me)
         dense = {i: g for i, g in grad_of.items() if i not in sparse}
         owned.update(exchange.reduce_to_owners(dense, by_index, self._owners, me, strategy))
@@ -486,22 +492,24 @@ class ShardedOptimizer(ConsolidatedState, keras.optimizers.Optimizer):
             inner.update_step(g, v, lr)
 
     def _clip_owned(self, grads, distributed):
+        """Keras's clipping of the owned gradients, as the wrapped optimizer clips on one
+        device: per tensor by Keras's own code; ``global_clipnorm`` by Keras's formula with
+        the squared norm summed over all replicas. A sparse gradient's norm is that of its
+        rows as they are (Keras's ``global_norm``: rows at one index are not summed first),
+        and scaling or per-tensor clipping makes it dense, as in Keras."""
         inner = self.inner_optimizer
-        if inner.clipnorm and inner.clipnorm > 0:
-            return [tf.clip_by_norm(g, inner.clipnorm) for g in grads]
-        if inner.global_clipnorm and inner.global_clipnorm > 0:
-            squares = tf.add_n([tf.reduce_sum(tf.square(tf.cast(tf.convert_to_tensor(g), tf.float32)))
-                                for g in grads] or [tf.constant(0.0)])
-            if distributed:
-                squares = collectives.all_reduce(squares)
-            norm = tf.sqrt(squares)
-            clip = tf.constant(inner.global_clipnorm, tf.float32)
-            scale = clip / tf.maximum(norm, clip)  # Keras's clip_by_global_norm
-            return [tf.IndexedSlices(g.values * tf.cast(scale, g.dtype), g.indices, g.dense_shape)
-                    if isinstance(g, tf.IndexedSlices) else g * tf.cast(scale, g.dtype) for g in grads]
-        if inner.clipvalue and inner.clipvalue > 0:
-            return [tf.clip_by_value(g, -inner.clipvalue, inner.clipvalue) for g in grads]
-        return grads
+        clip = inner.global_clipnorm
+        if not (clip and clip > 0) or (inner.clipnorm and inner.clipnorm > 0):
+            return _tf_private.keras_clip_gradients(inner, grads)  # per tensor, or nothing
+        # Keras's global_norm and clip_by_global_norm (keras/src/optimizers/base_optimizer.py)
+        # term by term; float32 across replicas (a replica may own no gradient).
+        squares = [tf.cast(keras.ops.sum(keras.ops.square(g)), tf.float32) for g in grads]
+        squared_norm = keras.ops.sum(keras.ops.stack(squares)) if squares else tf.constant(0.0)
+        if distributed:
+            squared_norm = collectives.all_reduce(squared_norm)
+        use_norm = keras.ops.sqrt(squared_norm)
+        scale = clip * keras.ops.minimum(1.0 / use_norm, 1.0 / clip) + (use_norm - use_norm)
+        return [g * tf.cast(scale, g.dtype) for g in grads]
 
     # --- memory --------------------------------------------------------------------------------
     def state_bytes_per_replica(self) -> list[int]:

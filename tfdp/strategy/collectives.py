@@ -25,7 +25,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from tfdp import _tf_private
-from tfdp.strategy import is_data_parallel
+from tfdp.strategy import is_data_parallel, sparse_gradients
 
 __all__ = [
     "COMPRESSION_DTYPES",
@@ -125,8 +125,9 @@ def all_reduce_gradients(grads, strategy=None):
     """Sums ``grads`` (a list, ``None`` allowed) over all replicas of all workers.
 
     Uses the strategy's ``bucket_bytes`` and ``compression``. Sparse gradients
-    (``tf.IndexedSlices``, e.g. from ``Embedding``) are reduced as IndexedSlices (an
-    all-gather of indices and values) and are never compressed.
+    (``tf.IndexedSlices``, e.g. from ``Embedding``) are reduced into the rows one device has
+    (sparse_gradients.py: an all-gather, and an all-reduce for lookups shared by the batch)
+    and are never compressed.
     """
     ctx = tf.distribute.get_replica_context()
     if ctx.num_replicas_in_sync == 1:
@@ -178,9 +179,9 @@ def all_reduce_gradients(grads, strategy=None):
                 src = tensors[j]
                 shape = src.shape if src.shape.is_fully_defined() else tf.shape(src)
                 out[order[j]] = tf.reshape(tf.cast(piece, src.dtype), shape)
-    if sparse:
-        reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in sparse],
-                                 options=_options(strategy))
+    if sparse:  # in the form one device builds them (sparse_gradients.py)
+        reduced = sparse_gradients.reduce_indexed_slices([grads[i] for i in sparse], strategy,
+                                                         _options(strategy))
         for i, value in zip(sparse, reduced):
             out[i] = value
     return out
@@ -558,6 +559,11 @@ def install_keras_gradient_hooks():
 
     def make_apply_gradients(original_apply):
         def _backend_apply_gradients(self, grads, trainable_variables):
+            if (_tfdp_strategy_in_replica_context(self) is not None
+                    and any(_tf_private.is_sharded_variable(v) for v in trainable_variables)):
+                from tfdp.strategy import sharded_parameters
+
+                sharded_parameters.check_optimizer(self)
             # The optimizer's step reads sharded parameters as this replica's slices
             # (shard_parameters=True: Keras's EMA update reads the model variables).
             with _tf_private.applying(trainable_variables), _tf_private.reading_slices():

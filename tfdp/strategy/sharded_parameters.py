@@ -45,13 +45,15 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import keras
 import tensorflow as tf
 
 from tfdp import _tf_private
 from tfdp.strategy import collectives
 
 __all__ = ["ShardSpec", "shard_layout", "owner_of", "DEFAULT_SHARD_MIN_ELEMENTS",
-           "is_sharded", "clip_gradients", "sharded_bytes_per_replica", "slice_gradient"]
+           "is_sharded", "clip_gradients", "sharded_bytes_per_replica", "slice_gradient",
+           "check_optimizer", "WHOLE_TENSOR_OPTIMIZERS"]
 
 # Variables smaller than this stay mirrored: gathering a 1,000-element bias costs a collective
 # round trip and saves a few kilobytes (DeepSpeed's stage3_param_persistence_threshold is 1e5).
@@ -150,6 +152,9 @@ class ShardSpec:
             # Every slice is in this process: no collective.
             with tf.device(components[0].device):
                 return self.whole_from_flat(tf.concat([c.value() for c in components], axis=0))
+        if not tf.executing_eagerly() and _tf_private.in_keras_symbolic_scope():
+            # Keras learning output shapes: the value is never used; no collective.
+            return tf.zeros(self.shape, self.dtype)
         if not tf.executing_eagerly():
             raise ValueError(
                 "tfdp: a sharded variable cannot be read whole inside a tf.function outside "
@@ -186,15 +191,21 @@ def slice_gradient(variable, whole_gradient):
 
 
 def _gather_across_workers(components, spec: ShardSpec):
-    """Eagerly, every slice from every worker (a collective all workers run together)."""
+    """Eagerly, every slice from every worker (a collective all workers run together).
+
+    One traced function per variable, kept on its spec: saving a model gathers every
+    variable, and a save every epoch must not trace again.
+    """
     strategy = spec.strategy
-
-    @tf.function
-    def gather():
-        def fn():
-            return collectives.all_gather(components[collectives.local_replica_index()].value())
-        return strategy.run(fn)
-
+    gather = getattr(spec, "_gather_function", None)
+    if gather is None:
+        @tf.function
+        def gather():
+            def fn():
+                local = components[collectives.local_replica_index()]
+                return collectives.all_gather(local.value())
+            return strategy.run(fn)
+        spec._gather_function = gather
     flat = strategy.experimental_local_results(gather())[0]
     return spec.whole_from_flat(flat)
 
@@ -269,6 +280,28 @@ def create(extended, next_creator, min_elements, kwargs: dict):
     return _tf_private.create_sharded_variable(strategy, make_components, spec, **kwargs)
 
 
+# --- Which optimizers can update slices --------------------------------------------------------
+# Keras optimizers whose update of a variable needs the whole tensor: a norm over it (Lamb's
+# trust ratio), its matrix shape (Muon's orthogonalisation) or factored moments (Adafactor).
+# On a slice they would run and silently compute something else, so they are refused.
+# tfdp's own LARS and LAMB take their norms over whole tensors (optimizers/_layerwise.py).
+WHOLE_TENSOR_OPTIMIZERS = tuple(getattr(keras.optimizers, name) for name in
+                                ("Lamb", "Muon", "Adafactor") if hasattr(keras.optimizers, name))
+
+
+def check_optimizer(optimizer) -> None:
+    """Raises ValueError when ``optimizer`` cannot update slices of sharded parameters."""
+    if isinstance(optimizer, WHOLE_TENSOR_OPTIMIZERS):
+        name = type(optimizer).__name__
+        raise ValueError(
+            f"tfdp: keras.optimizers.{name} cannot train sharded parameters "
+            "(shard_parameters=True): its update of a variable needs the whole tensor (a norm, "
+            "a matrix shape or factored moments), and each replica holds a slice. Use "
+            "tfdp.optimizers.LAMB / tfdp.optimizers.LARS (their norms span replicas) or an "
+            "elementwise optimizer (SGD, Adam, AdamW, RMSprop, Lion, ...), or "
+            f"shard_parameters=False with tfdp.ShardedOptimizer({name}(...)).")
+
+
 # --- Keras's moving averages (use_ema=True) ---------------------------------------------------
 
 def install_keras_hooks():
@@ -293,6 +326,10 @@ def install_keras_hooks():
 
 # --- Clipping with sharded gradients -----------------------------------------------------------
 
+def _sum_over_replicas(value):
+    return collectives.all_reduce(value)
+
+
 def _squared_norm(g):
     g = tf.convert_to_tensor(g)
     return tf.reduce_sum(tf.square(tf.cast(g, tf.float32)))
@@ -314,13 +351,13 @@ def clip_gradients(optimizer, grads, variables, original_clip):
             if g is None or not is_shard:
                 out.append(None if g is None else optimizer._clip_by_norm(g))  # noqa: SLF001
                 continue
-            l2sum = collectives.all_reduce(_squared_norm(g))
+            l2sum = _sum_over_replicas(_squared_norm(g))
             out.append(_clip_by_norm_with(g, optimizer.clipnorm, l2sum))
         return out
     if optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
         mirrored = [_squared_norm(g) for g, s in zip(grads, sharded) if g is not None and not s]
         slices = [_squared_norm(g) for g, s in zip(grads, sharded) if g is not None and s]
-        total = collectives.all_reduce(tf.add_n(slices)) if slices else 0.0
+        total = _sum_over_replicas(tf.add_n(slices)) if slices else 0.0
         if mirrored:
             total = total + tf.add_n(mirrored)
         norm = tf.sqrt(total)
