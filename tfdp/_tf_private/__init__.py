@@ -145,8 +145,12 @@ from tfdp._tf_private.sharded_variable import (
     ShardedVariable,
     broadcast_initial_value,
     create_sharded_variable,
+    current_replica_id,
+    in_keras_stateless_scope,
     in_keras_symbolic_scope,
     is_sharded_variable,
+    own_trainable_variables,
+    patch_keras_layer_call,
     reading_slices,
     sharded_container,
 )
@@ -206,9 +210,10 @@ __all__ = [
     "advances_shared_state", "advance_shared_state", "optimizer_state_lists",
     "replace_variable_storage", "patch_keras_apply_gradients", "patch_keras_moving_average_update", "applying", "applying_variables",
     # sharded_variable
-    "SHARDED_VARIABLE_HOOKS", "ShardedVariable", "broadcast_initial_value",
+    "SHARDED_VARIABLE_HOOKS", "ShardedVariable", "broadcast_initial_value", "current_replica_id",
     "create_sharded_variable", "is_sharded_variable", "sharded_container", "reading_slices",
-    "in_keras_symbolic_scope",
+    "in_keras_symbolic_scope", "in_keras_stateless_scope", "own_trainable_variables",
+    "patch_keras_layer_call",
     # keras_saving
     "patch_keras_file_writers", "patch_keras_makedirs", "patch_keras_export",
     "patch_tensorflow_file_writers", "patch_checkpoint_write", "patch_checkpoint_manager_save",

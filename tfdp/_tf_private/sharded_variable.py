@@ -254,3 +254,39 @@ def sharded_container(variable):
             if isinstance(container, ShardedVariable):
                 return container
     return None
+
+
+# --- Units: where gathered parameters live (strategy/sharded_units.py) ------------------------
+
+def patch_keras_layer_call(make) -> None:
+    """Class patch of ``keras.layers.Layer.__call__``: ``make(original) -> replacement``.
+
+    Why: with ``shard_parameters=True`` a unit (a layer with sharded weights) runs under a
+    custom gradient that gathers its parameters again in the backward pass instead of keeping
+    them from the forward pass; every layer call goes through ``Layer.__call__`` and Keras has
+    no public hook around it.
+    """
+    from keras.src.layers.layer import Layer
+
+    from tfdp._tf_private.core import _patch
+
+    _patch(Layer, "__call__", make, "gathering sharded parameters per unit")
+
+
+def own_trainable_variables(layer) -> list:
+    """The trainable variables a layer created itself, not its sublayers'.
+
+    Why: ``trainable_weights`` includes every sublayer's; a unit is the layer that owns the
+    weights, and Keras keeps a layer's own in ``_trainable_variables`` (no public getter).
+    """
+    from tfdp._tf_private.core import _get
+
+    return list(_get(layer, "_trainable_variables", "a layer's own weights"))
+
+
+def in_keras_stateless_scope() -> bool:
+    """True inside a ``keras.StatelessScope`` (tfdp's XLA step maps variables to values).
+    Why: Keras exports the scope but not the test of being in one."""
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+    return bool(in_stateless_scope())

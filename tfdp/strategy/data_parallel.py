@@ -46,7 +46,7 @@ import tensorflow as tf
 from tfdp import _tf_private
 from tfdp.cluster import ClusterConfig
 from tfdp.strategy import (collectives, deadline, keras_integration, lifecycle, randomness,
-                           sharded_parameters)
+                           sharded_parameters, sharded_units)
 from tfdp.strategy import devices as devices_lib
 from tfdp.strategy.options import (DEFAULT_BUCKET_BYTES, DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS,
                                    check_compression, describe_shared_gpu, jit_compile_error,
@@ -212,6 +212,15 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             tfdp/strategy/sharded_parameters.py and docs/zero.md.
         shard_min_elements: with ``shard_parameters=True``, variables smaller than this stay
             mirrored (biases, norms; default 16,384 elements).
+        reshard_after_forward: with ``shard_parameters=True``: ``True`` (default) frees a
+            unit's gathered parameters after its forward pass and gathers them again for its
+            backward pass (recomputing the unit), so a replica holds about two units'
+            parameters at a time; ``False`` keeps them from the forward pass to the backward
+            pass (no recomputation, the whole model gathered at the peak). See
+            tfdp/strategy/sharded_units.py.
+        unit_layers: layer classes (or class names) whose instances gather their parameters
+            as one unit, e.g. ``(TransformerBlock,)``; by default every layer owning sharded
+            weights is a unit.
     """
 
     _is_tfdp_strategy = True  # tfdp.strategy.is_data_parallel
@@ -219,7 +228,7 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     def __init__(self, devices=None, *, communication="auto", bucket_bytes=None,
                  compression=None, timeout_seconds=None, cluster=None, cluster_resolver=None,
                  random_draws="as_one_device", shard_parameters=False,
-                 shard_min_elements=None):
+                 shard_min_elements=None, reshard_after_forward=True, unit_layers=None):
         if not isinstance(shard_parameters, bool):
             raise ValueError(f"shard_parameters={shard_parameters!r} must be True or False.")
         if shard_min_elements is None:
@@ -228,6 +237,10 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
                 or shard_min_elements < 0):
             raise ValueError(f"shard_min_elements={shard_min_elements!r} must be an integer "
                              ">= 0 (0 shards every trainable floating-point variable).")
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward={reshard_after_forward!r} must be True or "
+                             "False.")
+        unit_layers = sharded_units.resolve_unit_layers(unit_layers)
         cluster = _resolve_cluster(cluster, cluster_resolver)
         options = resolve_options(communication=communication, bucket_bytes=bucket_bytes,
                                   compression=compression, timeout_seconds=timeout_seconds,
@@ -263,6 +276,8 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             self, _DataParallelExtended(self, _cluster_resolver(cluster),
                                         self._communication_options(), device_type, indices))
         self._tfdp_shard_parameters = shard_parameters
+        self._tfdp_reshard_after_forward = reshard_after_forward
+        self._tfdp_unit_layers = unit_layers
         if shard_parameters:
             self.extended._tfdp_shard_min_elements = shard_min_elements
         if cluster.is_multi_worker:
@@ -301,6 +316,10 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     timeout_seconds = property(lambda self: self._tfdp_timeout, doc="The step deadline, or None.")
     shard_parameters = property(lambda self: self._tfdp_shard_parameters,
                                 doc="True: parameters sharded over replicas (ZeRO-3).")
+    reshard_after_forward = property(lambda self: self._tfdp_reshard_after_forward,
+                                     doc="ZeRO-3: gather a unit's parameters again in backward.")
+    unit_layers = property(lambda self: self._tfdp_unit_layers,
+                           doc="ZeRO-3: layer classes gathered as one unit each.")
     random_draws = property(lambda self: self._tfdp_random_draws,
                             doc="'as_one_device' or 'independent' (strategy/randomness.py).")
 

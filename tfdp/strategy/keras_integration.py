@@ -11,7 +11,8 @@ forgets the job, so a later strategy installs afresh. What it installs:
    clipping (``clipnorm``/``global_clipnorm`` act on the global gradient, as on one device),
    and a ``LossScaleOptimizer`` skips a step on every replica when any replica overflows.
    With ``shard_parameters=True``, Keras's EMA update writes slices of the averages
-   (``sharded_parameters.install_keras_hooks``).
+   (``sharded_parameters.install_keras_hooks``), and each unit's layer call gathers its
+   parameters again in the backward pass (``sharded_units.install_keras_hooks``).
 2. XLA (``xla.install_keras_hooks``): ``jit_compile="auto"`` resolves as on one device, and
    ``jit_compile=True`` compiles each replica's part of the step.
 3. Random draws (``randomness.install_keras_hooks``): inside a tfdp replica function, Keras's
@@ -39,7 +40,7 @@ import functools
 
 from tfdp import _tf_private
 from tfdp.strategy import (chief_writes, collectives, consensus, randomness, sharded_parameters,
-                           xla)
+                           sharded_units, xla)
 
 __all__ = ["install", "uninstall", "installed", "install_fit_input", "fit_input", "at_fit_exit"]
 
@@ -57,6 +58,7 @@ def install(cluster=None) -> None:
     """
     collectives.install_keras_gradient_hooks()
     sharded_parameters.install_keras_hooks()
+    sharded_units.install_keras_hooks()
     xla.install_keras_hooks()
     randomness.install_keras_hooks()
     install_fit_input()

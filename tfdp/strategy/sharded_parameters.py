@@ -43,6 +43,7 @@ whole model's parameters once per replica at the peak of a step; docs/zero.md ha
 from __future__ import annotations
 
 import dataclasses
+import threading
 import math
 
 import keras
@@ -141,9 +142,10 @@ class ShardSpec:
 
     # --- reads ------------------------------------------------------------------------------
     def read_in_replica(self, component):
-        shard = component.value()
         if self.kind != "parameter":
-            return shard
+            return component.value()
+        given = getattr(_given_slices, "slices", {}).get(id(self))
+        shard = component.value() if given is None else given
         return _gather_with_reduce_scatter_gradient(shard, self)
 
     def read_whole(self, components):
@@ -162,6 +164,26 @@ class ShardSpec:
                 "inside strategy.run (a replica gathers it) or eagerly (every worker gathers "
                 "it together, as get_weights and model.save do).")
         return _gather_across_workers(components, self)
+
+
+_given_slices = threading.local()
+
+
+class reading_given_slices(object):  # noqa: N801 (a context manager)
+    """Inside it, a replica's read of the sharded parameters in ``slices`` (``{spec: slice
+    tensor}``) gathers the given tensor instead of reading the variable: a unit passes its
+    slices to its custom gradient as inputs (sharded_units.py)."""
+
+    def __init__(self, slices):
+        self._slices = {id(spec): value for spec, value in slices.items()}
+
+    def __enter__(self):
+        self._outer = getattr(_given_slices, "slices", {})
+        _given_slices.slices = dict(self._outer)
+        _given_slices.slices.update(self._slices)
+
+    def __exit__(self, *exc):
+        _given_slices.slices = self._outer
 
 
 def _gather_with_reduce_scatter_gradient(shard, spec: ShardSpec):

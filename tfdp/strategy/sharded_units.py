@@ -1,0 +1,197 @@
+"""Units of ZeRO-3: which layers gather their parameters together, and for how long.
+
+Rule. With ``shard_parameters=True`` and ``reshard_after_forward=True`` (the default), a
+*unit* runs under a custom gradient. Its forward pass gathers its parameters, computes its
+outputs and keeps nothing gathered; its backward pass, once the gradients of its outputs
+exist, gathers the parameters again, recomputes the unit's forward pass under a tape, and
+returns the gradients of its inputs and of its parameters' slices (reduce-scattered inside
+the gather's own gradient). A unit's forward gathers start only after the unit two before it
+has produced its outputs (a control dependency): while one unit computes, the next one's
+parameters may already be gathering (prefetch of depth one), so a replica holds the gathered
+parameters of about two units at a time, in the forward pass and in the backward pass alike.
+This is FSDP's ``reshard_after_forward=True`` with the backward re-gather done by
+recomputation, because a TensorFlow graph keeps every tensor a gradient function reads.
+
+A unit is, by default, a layer that owns sharded weights (Dense, Conv, Embedding,
+EinsumDense). ``unit_layers=`` names layer classes (or class names) to treat as one unit each,
+such as a transformer block: one gather for all its weights. A layer is a unit only if its
+output is a pure function of its inputs and its trainable weights: without non-trainable
+state (BatchNorm statistics, a Dropout's seed generator), because the recomputation must not
+draw or update again. A named class that is not pure is not a unit, its sublayers are (tfdp
+warns once). Units nest: inside a unit, layers are part of it.
+
+Sharded parameters read outside any unit (``reshard_after_forward=False``, a layer that is
+not pure, a custom loop running eagerly, tfdp's XLA step, which reads parameters before its
+compiled part) are gathered where they are read and kept until the backward pass has used
+them; results are the same, the peak holds more.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import keras
+import tensorflow as tf
+
+from tfdp import _tf_private
+from tfdp.strategy import sharded_parameters
+
+__all__ = ["install_keras_hooks", "is_unit", "resolve_unit_layers"]
+
+log = logging.getLogger("tfdp")
+
+# Per replica (each replica traces its step in a thread of its own): how deep inside units the
+# current call is, and the outputs of the last units of the graph being traced.
+_state = threading.local()
+_said = set()
+
+
+def resolve_unit_layers(unit_layers) -> tuple:
+    """``unit_layers`` as a tuple of Keras layer classes or class names; checked. Pure."""
+    if unit_layers is None:
+        return ()
+    if isinstance(unit_layers, (str, type)):
+        unit_layers = (unit_layers,)
+    out = []
+    for item in unit_layers:
+        if isinstance(item, str) or (isinstance(item, type)
+                                     and issubclass(item, keras.layers.Layer)):
+            out.append(item)
+        else:
+            raise ValueError(f"unit_layers: {item!r} is neither a Keras layer class nor a "
+                             "class name; pass e.g. unit_layers=(TransformerBlock,) or "
+                             "unit_layers=('TransformerBlock',).")
+    return tuple(out)
+
+
+def _named(layer, unit_layers) -> bool:
+    for item in unit_layers:
+        if isinstance(item, str):
+            if any(c.__name__ == item for c in type(layer).__mro__):
+                return True
+        elif isinstance(layer, item):
+            return True
+    return False
+
+
+def is_unit(layer, unit_layers=()) -> bool:
+    """Whether ``layer`` is a unit under the rule above (its weights must exist)."""
+    named = _named(layer, unit_layers)
+    if not named and not any(sharded_parameters.is_sharded(v)
+                             for v in _tf_private.own_trainable_variables(layer)):
+        return False
+    if not any(sharded_parameters.is_sharded(v) for v in layer.trainable_variables):
+        return False
+    if layer.non_trainable_variables:
+        if named and type(layer).__name__ not in _said:
+            _said.add(type(layer).__name__)
+            log.warning("tfdp: %s is named in unit_layers but holds non-trainable state "
+                        "(BatchNorm statistics or a random seed), which recomputing it in the "
+                        "backward pass would update twice; its sublayers are units instead.",
+                        type(layer).__name__)
+        return False
+    return True
+
+
+def _active_strategy():
+    """The strategy whose units apply to the current call, or None."""
+    if tf.executing_eagerly() or getattr(_state, "depth", 0):
+        return None
+    if _tf_private.in_keras_stateless_scope() or _tf_private.in_keras_symbolic_scope():
+        return None
+    if tf.distribute.in_cross_replica_context() or not tf.distribute.has_strategy():
+        return None
+    strategy = tf.distribute.get_strategy()
+    if not getattr(strategy, "shard_parameters", False):
+        return None
+    if not getattr(strategy, "reshard_after_forward", True):
+        return None
+    return strategy
+
+
+def _recent_outputs():
+    """The outputs of the last units traced into the current graph, in this replica."""
+    graph = tf.compat.v1.get_default_graph()
+    if getattr(_state, "graph", None) is not graph:
+        _state.graph, _state.recent = graph, []
+    return _state.recent
+
+
+def _as_dense(t):
+    return tf.convert_to_tensor(t) if isinstance(t, tf.IndexedSlices) else t
+
+
+def _call_as_unit(layer, original, args, kwargs):
+    flat = tf.nest.flatten((args, kwargs))
+    positions = [i for i, v in enumerate(flat) if isinstance(v, tf.Tensor)]
+    recent = _recent_outputs()
+    after = recent[-2] if len(recent) >= 2 else None  # prefetch of depth one
+    # The unit's sharded parameters enter its custom gradient as inputs (this replica's
+    # slices, read here): their gradients are then ordinary input gradients.
+    replica = _tf_private.current_replica_id()
+    specs = []
+    for variable in layer.trainable_variables:
+        container = _tf_private.sharded_container(variable)
+        if container is not None and container.tfdp_spec not in specs:
+            specs.append(container.tfdp_spec)
+    containers = {id(s): c for c in (_tf_private.sharded_container(v)
+                                     for v in layer.trainable_variables) if c is not None
+                  for s in [c.tfdp_spec]}
+    with tf.control_dependencies([] if after is None else [after]):
+        slices = [containers[id(spec)].components[replica].value() for spec in specs]
+    inputs = [flat[i] for i in positions]
+    built = {}
+
+    def run(tensors, slice_values):
+        values = list(flat)
+        for i, t in zip(positions, tensors):
+            values[i] = t
+        call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), values)
+        _state.depth = getattr(_state, "depth", 0) + 1
+        try:
+            with sharded_parameters.reading_given_slices(dict(zip(specs, slice_values))):
+                return original(layer, *call_args, **call_kwargs)
+        finally:
+            _state.depth -= 1
+
+    @tf.custom_gradient
+    def unit(*all_inputs):
+        tensors, slice_values = all_inputs[:len(inputs)], all_inputs[len(inputs):]
+        out = run(tensors, slice_values)
+        built["structure"] = out
+        outputs = tf.nest.flatten(out)
+
+        def grad(*dys, variables=None):
+            dys = [tf.zeros_like(o) if d is None else _as_dense(d) for o, d in zip(outputs, dys)]
+            variables = list(variables or [])
+            with tf.control_dependencies(dys):  # gather again only once the outputs' gradients exist
+                again_inputs = [tf.identity(t) for t in all_inputs]
+            with tf.GradientTape() as tape:
+                tape.watch([t for t in again_inputs if t.dtype.is_floating])
+                again = tf.nest.flatten(run(again_inputs[:len(inputs)],
+                                            again_inputs[len(inputs):]))
+            grads = tape.gradient(again, again_inputs + variables, output_gradients=dys)
+            return grads[:len(all_inputs)], grads[len(all_inputs):]
+
+        return outputs, grad
+
+    outputs = unit(*(inputs + slices))
+    if not isinstance(outputs, (list, tuple)):
+        outputs = [outputs]
+    recent.append(outputs[0])
+    return tf.nest.pack_sequence_as(built["structure"], list(outputs))
+
+
+def install_keras_hooks():
+    """Routes the call of every unit through ``_call_as_unit`` (idempotent)."""
+    def make(original):
+        def __call__(self, *args, **kwargs):
+            strategy = _active_strategy()
+            if strategy is None or not getattr(self, "built", False) or not is_unit(
+                    self, strategy.unit_layers):
+                return original(self, *args, **kwargs)
+            return _call_as_unit(self, original, args, kwargs)
+        return __call__
+
+    _tf_private.patch_keras_layer_call(make)
