@@ -50,11 +50,13 @@ def fit(backup_dir, replicas=4, kind="adam", crash_after=None, save_freq=4, shuf
     """``validation``: None, or "before"/"after": a tfdp.data validation pipeline created
     before or after the training one and given to fit; ``name_dataset``: pass dataset=."""
     x, y = classification_data(n=N)
-    strategy = tfdp.DataParallelStrategy(devices=cpu_devices(replicas))
+    zero3 = kind == "zero3_adam"  # ZeRO-3: every trainable variable sliced over the replicas
+    strategy = tfdp.DataParallelStrategy(devices=cpu_devices(replicas), shard_parameters=zero3,
+                                         shard_min_elements=0)
     with strategy.scope():
         model = mlp()
         model.set_weights(initial_weights(mlp))
-        model.compile(optimizer=optimizer(kind, accumulation),
+        model.compile(optimizer=optimizer("adam" if zero3 else kind, accumulation),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     source = tf.data.Dataset.from_tensor_slices((x, y))
     val_source = tf.data.Dataset.from_tensor_slices((x[:64], y[:64]))
@@ -118,6 +120,14 @@ def test_resume_on_another_replica_count(tmp_path):
     want, _ = uninterrupted(kind="sharded_adam")
     fit(tmp_path, replicas=4, kind="sharded_adam", crash_after=10)
     got, second = fit(tmp_path, replicas=2, kind="sharded_adam")
+    assert second == list(range(9, 19))
+    assert_close(got, want)
+
+
+def test_zero3_backup_from_four_replicas_resumes_on_two_step_exact(tmp_path):
+    want, _ = uninterrupted(kind="adam")
+    fit(tmp_path, replicas=4, kind="zero3_adam", crash_after=10)
+    got, second = fit(tmp_path, replicas=2, kind="zero3_adam")
     assert second == list(range(9, 19))
     assert_close(got, want)
 

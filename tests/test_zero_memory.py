@@ -1,4 +1,4 @@
-"""ShardedOptimizer's peak memory as a user sees it (issue 33, item 5), and the pure parts of
+"""ShardedOptimizer's and ZeRO-3's peak memory as a user sees it (issues 33 and 39), and the pure parts of
 its exchanges: the round plan and where each replica sits in TensorFlow's collective groups.
 
 The peak: each configuration in a fresh process (tools/zero_memory.py's peak child): a
@@ -25,12 +25,30 @@ def peaks():
     """``{(config, replicas): result}``. The processes run at once (VmHWM is per process, so
     only the wall time changes)."""
     jobs = [("unsharded", PEAK_REPLICAS), ("zero2", PEAK_REPLICAS), ("unsharded", 1),
-            ("zero2", 1)]
+            ("zero2", 1), ("zero3", PEAK_REPLICAS), ("zero3_keep", PEAK_REPLICAS)]
     return dict(zip(jobs, zm.measure_peak_jobs(jobs, PEAK_MODEL, steps=2, parallel=True)))
 
 
-def _ratio(peaks, replicas):
-    return peaks[("zero2", replicas)]["growth"] / peaks[("unsharded", replicas)]["growth"]
+def _ratio(peaks, replicas, config="zero2"):
+    return peaks[(config, replicas)]["growth"] / peaks[("unsharded", replicas)]["growth"]
+
+
+ZERO3_PEAK_LIMIT = 0.35  # issue 39: ZeRO-3's peak growth <= 0.35 of unsharded at N=8
+
+
+@pytest.mark.slow
+def test_zero3_peak_is_at_most_a_third_of_unsharded(peaks):
+    ratio = _ratio(peaks, PEAK_REPLICAS, "zero3")
+    assert peaks[("zero3", PEAK_REPLICAS)]["params"] == peaks[("unsharded", PEAK_REPLICAS)]["params"]
+    assert ratio <= ZERO3_PEAK_LIMIT, (
+        f"ZeRO-3's peak growth is {ratio:.2f} of unsharded's at N={PEAK_REPLICAS}")
+
+
+@pytest.mark.slow
+def test_guard_zero3_keeping_gathered_parameters_is_above_the_limit(peaks):
+    """What the ZeRO-3 limit checks: the same sharded model keeping every gathered parameter
+    from its forward to its backward pass (reshard_after_forward=False) peaks above it."""
+    assert _ratio(peaks, PEAK_REPLICAS, "zero3_keep") > ZERO3_PEAK_LIMIT
 
 
 @pytest.mark.slow

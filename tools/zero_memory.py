@@ -140,11 +140,13 @@ PEAK_CONFIGS = {
     "unsharded_acc4": ("tfdp", False, 4),
     "zero2_acc4": ("tfdp", True, 4),
     "zero3": ("zero3", False, None),
+    "zero3_keep": ("zero3_keep", False, None),
 }
 PEAK_LABELS = {"unsharded": "unsharded (tfdp)", "mirrored": "MirroredStrategy",
                "zero2": "ZeRO-2 (ShardedOptimizer)", "unsharded_acc4": "unsharded (tfdp), k=4",
                "zero2_acc4": "ZeRO-2, k=4 sharded accumulation",
-               "zero3": "ZeRO-3 (shard_parameters=True)"}
+               "zero3": "ZeRO-3 (shard_parameters=True)",
+               "zero3_keep": "ZeRO-3, reshard_after_forward=False"}
 TRAFFIC = {"unsharded": "all_reduce", "ZeRO-1": "zero", "unsharded, k-step acc": "all_reduce",
            "ZeRO-2 sharded acc": "zero2_sharded", "ZeRO-2 local acc": "zero"}
 
@@ -239,7 +241,9 @@ def _peak_child(FLAGS):
         strategy = tf.distribute.MirroredStrategy(devices)
         data = dataset.batch(batch)
     else:
-        strategy = tfdp.DataParallelStrategy(devices=devices, shard_parameters=kind == "zero3")
+        strategy = tfdp.DataParallelStrategy(
+            devices=devices, shard_parameters=kind.startswith("zero3"),
+            reshard_after_forward=kind != "zero3_keep")
         data = tfdp.data.distribute(strategy, dataset, global_batch_size=batch)
     start, before = time.perf_counter(), vm_hwm_bytes()
     with strategy.scope():

@@ -1,0 +1,208 @@
+"""ZeRO-3's headline: a model bigger than what unsharded data parallelism or ZeRO-2 fits trains
+with ``shard_parameters=True``, on this host, under the same memory bound.
+
+Each configuration runs in a fresh child process whose data segment is capped with
+``RLIMIT_DATA`` (``--memory_limit_gb``; Linux counts every private writable mapping in it,
+so TensorFlow's allocations fail inside the child instead of the machine running out): an MLP
+of ``--depth`` Dense layers of ``--width`` units (default 60 x 4096: 1.0 billion parameters),
+Adam, ``--steps`` steps of ``fit`` on ``--replicas`` logical CPU replicas (one process holds
+every replica). A child reports its parameters, the peak resident memory (VmHWM) and each
+step's time, or how it failed.
+
+    python tools/zero3_headline.py            # ~10 min; docs/benchmarks/zero3_headline.{md,csv}
+    python tools/zero3_headline.py --configs=zero3 --depth=2   # a quick look
+
+Configurations: ``zero3`` (``DataParallelStrategy(shard_parameters=True)``), ``zero2``
+(``tfdp.ShardedOptimizer(Adam)``: optimizer state sharded, parameters whole on every replica)
+and ``unsharded`` (Keras's Adam under ``DataParallelStrategy``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags  # noqa: E402
+
+CONFIGS = ("zero3", "zero2", "unsharded")
+LABELS = {"zero3": "ZeRO-3 (shard_parameters=True)", "zero2": "ZeRO-2 (ShardedOptimizer)",
+          "unsharded": "unsharded (tfdp)"}
+# What a child's output says when it ran out of its memory bound.
+OUT_OF_MEMORY_SIGNS = ("ResourceExhaustedError", "MemoryError", "bad_alloc", "OOM",
+                       "Cannot allocate memory", "failed to allocate")
+
+flags.DEFINE_integer("width", 4096, "Units of every Dense layer (and the input width).")
+flags.DEFINE_integer("depth", 60, "Dense layers of width x width.")
+flags.DEFINE_integer("replicas", 8, "Logical CPU replicas.")
+flags.DEFINE_integer("steps", 3, "fit steps.")
+flags.DEFINE_integer("batch_per_replica", 8, "Examples per replica per step.")
+flags.DEFINE_list("configs", list(CONFIGS), f"Configurations, of {CONFIGS}.")
+flags.DEFINE_float("memory_limit_gb", 20.0, "RLIMIT_DATA of each child, GiB.")
+flags.DEFINE_integer("timeout", 1500, "Seconds a child may run.")
+flags.DEFINE_string("out", "docs/benchmarks/zero3_headline", "Output prefix ('' to skip).")
+flags.DEFINE_string("child", "", "Internal: the configuration to run in this process.")
+FLAGS = flags.FLAGS
+
+
+def vm_hwm_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def out_of_memory(text: str) -> bool:
+    """Whether a child's output shows it ran out of its memory bound. Pure."""
+    return any(sign in text for sign in OUT_OF_MEMORY_SIGNS)
+
+
+def _child():
+    import numpy as np
+    import keras
+    import tensorflow as tf
+
+    import tfdp
+
+    n = FLAGS.replicas
+    tfdp.configure_cpu_replicas(n)
+    devices = [f"/device:CPU:{i}" for i in range(n)]
+    strategy = tfdp.DataParallelStrategy(devices=devices,
+                                         shard_parameters=FLAGS.child == "zero3")
+    batch = FLAGS.batch_per_replica * n
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch, FLAGS.width)).astype("float32")
+    y = rng.integers(0, 10, size=batch).astype("int32")
+    data = tfdp.data.distribute(strategy, tf.data.Dataset.from_tensor_slices((x, y)).repeat(),
+                                global_batch_size=batch)
+    start = time.perf_counter()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((FLAGS.width,))] + [
+            keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.depth)]
+            + [keras.layers.Dense(10)])
+        optimizer = keras.optimizers.Adam(1e-4)
+        if FLAGS.child == "zero2":
+            optimizer = tfdp.ShardedOptimizer(optimizer)
+        model.compile(optimizer=optimizer,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    print(f"built {model.count_params() / 1e9:.3f}B parameters in "
+          f"{time.perf_counter() - start:.0f} s, VmHWM {vm_hwm_bytes() / 2**30:.1f} GiB",
+          flush=True)
+
+    times = []
+
+    class StepTimes(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.t = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            times.append(time.perf_counter() - self.t)
+            print(f"step {batch + 1}: {times[-1]:.1f} s, loss {logs['loss']:.4f}, "
+                  f"VmHWM {vm_hwm_bytes() / 2**30:.1f} GiB", flush=True)
+
+    history = model.fit(data, epochs=1, steps_per_epoch=FLAGS.steps, verbose=0,
+                        callbacks=[StepTimes()])
+    print("RESULT " + json.dumps(dict(
+        config=FLAGS.child, replicas=n, params=model.count_params(), vm_hwm=vm_hwm_bytes(),
+        step_seconds=times, loss=history.history["loss"])), flush=True)
+
+
+def _limit(gib):
+    def apply():
+        limit = int(gib * 2**30)
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+    return apply
+
+
+def run_config(config) -> dict:
+    """One configuration in a child under the memory bound: its RESULT, or how it failed."""
+    argv = [sys.executable, os.path.abspath(__file__), f"--child={config}"] + [
+        f"--{name}={getattr(FLAGS, name)}" for name in
+        ("width", "depth", "replicas", "steps", "batch_per_replica")]
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_limit(FLAGS.memory_limit_gb),
+                            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(("built", "step", "RESULT")):
+            print(f"  [{config}] {line.rstrip()}", flush=True)
+    proc.wait(timeout=FLAGS.timeout)
+    text = "".join(lines)
+    for line in lines:
+        if line.startswith("RESULT "):
+            return dict(json.loads(line[len("RESULT "):]), outcome="trained",
+                        seconds=time.perf_counter() - start)
+    reason = ("out of memory under the bound" if out_of_memory(text)
+              else f"failed (exit {proc.returncode})")
+    tail = [ln.strip() for ln in lines if ln.strip()][-3:]
+    return dict(config=config, outcome=reason, returncode=proc.returncode, tail=tail,
+                seconds=time.perf_counter() - start)
+
+
+def main(argv):
+    del argv
+    if FLAGS.child:
+        return _child()
+    unknown = set(FLAGS.configs) - set(CONFIGS)
+    if unknown:
+        raise ValueError(f"--configs: unknown {sorted(unknown)}; use {CONFIGS}.")
+    params = FLAGS.depth * (FLAGS.width ** 2 + FLAGS.width) + FLAGS.width * 10 + 10
+    print(f"{params / 1e9:.3f}B parameters, {FLAGS.replicas} replicas, Adam, {FLAGS.steps} "
+          f"steps, RLIMIT_DATA {FLAGS.memory_limit_gb:g} GiB per child", flush=True)
+    results = []
+    for config in FLAGS.configs:
+        print(f"{LABELS[config]} ...", flush=True)
+        result = run_config(config)
+        print(f"{LABELS[config]}: {result['outcome']}", flush=True)
+        results.append(result)
+    if FLAGS.out:
+        _write(FLAGS.out, results, params)
+
+
+def _write(out, results, params):
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out + ".csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["config", "outcome", "params", "replicas", "vm_hwm_gib",
+                         "median_step_s", "first_step_s"])
+        for r in results:
+            steps = r.get("step_seconds") or []
+            writer.writerow([r["config"], r["outcome"], params, FLAGS.replicas,
+                             f"{r['vm_hwm'] / 2**30:.2f}" if "vm_hwm" in r else "",
+                             f"{sorted(steps[1:] or steps)[len(steps[1:] or steps) // 2]:.2f}"
+                             if steps else "", f"{steps[0]:.2f}" if steps else ""])
+    with open(out + ".md", "w") as f:
+        f.write(f"# ZeRO-3 headline: {params / 1e9:.2f}B parameters on one 2-core, 24 GiB host\n\n")
+        f.write(f"`python tools/zero3_headline.py --width={FLAGS.width} --depth={FLAGS.depth} "
+                f"--replicas={FLAGS.replicas} --steps={FLAGS.steps} "
+                f"--memory_limit_gb={FLAGS.memory_limit_gb:g}` ({time.strftime('%Y-%m-%d')}): "
+                f"an MLP of {FLAGS.depth} Dense layers of {FLAGS.width}, Adam, "
+                f"{FLAGS.replicas} logical CPU replicas in one process, each child process "
+                f"capped at RLIMIT_DATA {FLAGS.memory_limit_gb:g} GiB.\n\n")
+        f.write("| configuration | outcome | peak resident (VmHWM) | step time (median after the first) | first step |\n")
+        f.write("|---|---|---|---|---|\n")
+        for r in results:
+            steps = r.get("step_seconds") or []
+            later = steps[1:] or steps
+            f.write(f"| {LABELS[r['config']]} | {r['outcome']} | "
+                    + (f"{r['vm_hwm'] / 2**30:.1f} GiB" if "vm_hwm" in r else "-") + " | "
+                    + (f"{sorted(later)[len(later) // 2]:.1f} s" if steps else "-") + " | "
+                    + (f"{steps[0]:.1f} s" if steps else "-") + " |\n")
+        for r in results:
+            if r.get("tail"):
+                f.write(f"\n{LABELS[r['config']]}, the end of its output:\n\n```\n"
+                        + "\n".join(r["tail"]) + "\n```\n")
+    print(f"wrote {out}.md, {out}.csv")
+
+
+if __name__ == "__main__":
+    app.run(main)
