@@ -416,7 +416,7 @@ def test_autograph_user_function_converts_beneath_do_not_convert():
 # --- the package by area and its patch registry (issue 31 item 2) ---------------------------
 
 AREAS = ("core", "distribute", "data", "coordination", "keras_trainer", "keras_optimizer",
-         "keras_random", "keras_saving")
+         "keras_random", "keras_saving", "gradients")
 
 
 def _python(code: str) -> str:
@@ -706,3 +706,36 @@ def test_the_layerwise_optimizers_reach_keras_internals_only_through_tf_private(
     _tf_private.require_attributes(_tf_private.TFOptimizer, _tf_private.LAYERWISE_HOOKS, "hooks")
     optimizer = tfdp.optimizers.LARS(0.1)
     assert _tf_private.has_own_weight_decay(optimizer)
+
+
+def test_lookup_ids_reads_tensorflow_gather_gradients():
+    """``_tf_private.lookup_ids``: TensorFlow's gather gradient is a Reshape of the lookup's
+    ids, and the tape concatenates a table's pieces (casting int32 ids to int64 among
+    int64 ones); anything else is not known (None)."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    table = keras.layers.Embedding(10, 4)
+    table.build((None,))
+    found = {}
+
+    @tf.function
+    def step(tokens):
+        with tf.GradientTape() as tape:
+            total = (tf.reduce_sum(table(tokens)) + tf.reduce_sum(table(keras.ops.arange(3)))
+                     + tf.reduce_sum(table(tf.constant(2, tf.int64))))
+        grad = tape.gradient(total, table.trainable_variables)[0]
+        found["pieces"] = [ids.shape.as_list() for ids in _tf_private.lookup_ids(grad)]
+        made = tf.IndexedSlices(grad.values, tf.range(tf.shape(grad.values)[0]), grad.dense_shape)
+        found["made"] = _tf_private.lookup_ids(made)
+        return total
+
+    step.get_concrete_function(tf.TensorSpec([None, 5], tf.int32))
+    assert sorted(found["pieces"], key=len) == [[], [3], [None, 5]]
+    assert found["made"] is None
+    assert set(_tf_private.GATHER_GRADIENT_OPS.values()) == {"Reshape", "ConcatV2", "Cast",
+                                                             "Identity"}
+    adam = keras.optimizers.Adam(1e-3, clipvalue=0.5)
+    clipped = _tf_private.keras_clip_gradients(adam, [tf.constant([2.0, -0.1])])
+    np.testing.assert_allclose(np.asarray(clipped[0]), [0.5, -0.1])

@@ -196,16 +196,16 @@ def variable_key(optimizer, variable):
 # (which makes a sparse gradient dense) and ``clipvalue`` by ``ops.clip``. The wrapped
 # optimizer's ``_clip_gradients`` is tfdp's patch (it would reduce again); Keras's own step is
 # the base class's, which nothing patches. No public API clips without applying.
-from keras.src.optimizers.base_optimizer import BaseOptimizer  # noqa: E402
+from keras.src.optimizers.base_optimizer import BaseOptimizer as _KerasBase  # noqa: E402
 
-require_attributes(BaseOptimizer, ("_clip_gradients", "_clip_by_norm"),
+require_attributes(_KerasBase, ("_clip_gradients", "_clip_by_norm"),
                    "Keras's own clipping, for ShardedOptimizer's owned gradients")
 
 
 def keras_clip_gradients(optimizer, grads) -> list:
     """Keras's own clipping step of ``optimizer`` (``clipnorm``, ``global_clipnorm`` or
     ``clipvalue`` as Keras computes them on these gradients), without tfdp's reduction."""
-    return list(BaseOptimizer._clip_gradients(optimizer, grads))  # noqa: SLF001
+    return list(_KerasBase._clip_gradients(optimizer, grads))  # noqa: SLF001
 
 
 # --- Class patches (collectives.py, sharded_state.py) --------------------------------------

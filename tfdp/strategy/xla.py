@@ -39,7 +39,7 @@ import tensorflow as tf
 
 from tfdp import _tf_private
 from tfdp.strategy import (collectives, deadline, is_data_parallel, sharded_parameters,
-                           timing)
+                           sparse_gradients, timing)
 
 __all__ = ["compile_gradients", "CompiledGradients", "compiled_train_step",
            "resolve_auto_jit_compile", "step_plan", "rides_metrics", "install_keras_hooks",
@@ -133,6 +133,8 @@ class CompiledGradients:
                 out = self.fn(*args, **kwargs)
         loss = out[0] if self.has_aux else out
         grads = tape.gradient(loss, values) if values else []
+        # Which lookups a sparse gradient's rows come from is known here only (sparse_gradients).
+        self._sparse_plans = sparse_gradients.lookup_plans(grads)
         updated = []
         for variable, old in zip(self.state_variables, before):
             new = scope.get_current_value(variable)
@@ -144,6 +146,7 @@ class CompiledGradients:
         state_values = [_read(v) for v in self.state_variables]
         self._check_captures(values, state_values, args, kwargs)
         out, grads, updated = self.function(values, state_values, args, kwargs)
+        sparse_gradients.remember_plans(grads, getattr(self, "_sparse_plans", None))
         for variable, new in zip(self.state_variables, updated):
             if new is not None:
                 variable.assign(new)
