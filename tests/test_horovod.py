@@ -13,7 +13,6 @@ same global batches; the chief saving a ShardedOptimizer model alone under the s
 
 import json
 import time
-import warnings
 
 import keras
 import numpy as np
@@ -23,7 +22,7 @@ import tensorflow as tf
 import tfdp.horovod as hvd
 import tfdp.horovod.keras as hvd_keras
 from helpers import classification_data, mlp
-from launching import JobTimeout, run_job, tfdp_run_command, worker_env, worker_script
+from launching import run_job, tfdp_run_command, worker_env, worker_script
 from tfdp import _tf_private
 from tfdp.cluster import ClusterConfig
 from tfdp.horovod import _runtime
@@ -439,31 +438,29 @@ def launch_over_ssh(tmp_path, sshd, script, **env):
     return out
 
 
-# An open bug, not a passing test: this job sometimes hangs (both workers silent in the first
-# epoch until the launch timeout): 2 of ~12 runs here on 2026-11-25 (none in 40 since, under
-# load too), and in 2 of 3 fresh-clone CI runs (the local variant once, the ssh one once).
-# Cause not found yet. When it hangs the test is an xfail (never a pass), and every process's
-# Python stack goes to the warnings summary (JobTimeout), to name the wait; a run that ends
-# is checked in full.
-@pytest.mark.parametrize("where", ["local", "ssh"])
+# Issue 40, hang 1: this job used to hang now and then (both workers silent in the first
+# epoch; 2 of ~12 runs here, 2 of 3 CI runs). Cause: the collective engine, built at the first
+# collective after TensorFlow's runtime started, re-applied the server definition, which replaced
+# the process's collective resolver; a rank whose engine came first registered the first
+# collective's group with rank 0's resolver before rank 0 replaced it, and both waited forever.
+# "local-late" makes rank 0 the last to build its engine (HVD_LATE): that order hung every time
+# (2 of 2) before the fix (tfdp._tf_private.reuse_running_collective_server).
+@pytest.mark.parametrize("where", ["local", "local-late", "ssh"])
 @pytest.mark.slow
 @pytest.mark.multiworker
 def test_horovod_keras_fit_trains_like_one_process(tmp_path, where, request):
     env = dict(HVD_LOCAL_BATCH=LOCAL_BATCH, HVD_EPOCHS=2)
-    try:
-        if where == "ssh":
-            launch_over_ssh(tmp_path, request.getfixturevalue("sshd"), "hvd_keras_fit.py", **env)
-        else:
-            launch(tmp_path, "hvd_keras_fit.py", **env)
-    except JobTimeout as hang:
-        warnings.warn(f"the Horovod fit job hung (open bug): {hang}", stacklevel=1)
-        pytest.xfail("intermittent hang of the 2-worker Horovod fit script (open bug; the "
-                     "processes' stacks are in the warnings summary)")
+    if where == "ssh":
+        launch_over_ssh(tmp_path, request.getfixturevalue("sshd"), "hvd_keras_fit.py", **env)
+    else:
+        launch(tmp_path, "hvd_keras_fit.py", **env, **({"HVD_LATE": "0:3"}
+                                                         if where == "local-late" else {}))
     ranks = [np.load(tmp_path / f"fit-{r}.npz") for r in range(2)]
     # Horovod's definitions: two processes on one host, or one on each of two hosts.
-    local, cross = ([0, 1], [0, 0]) if where == "local" else ([0, 0], [0, 1])
+    one_host = where != "ssh"
+    local, cross = ([0, 1], [0, 0]) if one_host else ([0, 0], [0, 1])
     assert [list(saved["ranks"]) for saved in ranks] == [
-        [r, 2, local[r], 2 if where == "local" else 1, cross[r], 1 if where == "local" else 2]
+        [r, 2, local[r], 2 if one_host else 1, cross[r], 1 if one_host else 2]
         for r in range(2)]
     starts = [weights(saved, "init_") for saved in ranks]
     assert not np.allclose(starts[0][0], starts[1][0]), "the ranks started from one weight set"

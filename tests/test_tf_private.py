@@ -257,6 +257,27 @@ def test_coordination_service_key_value_calls_exist():
         assert callable(getattr(context, name, None)), name
 
 
+def test_reuse_running_collective_server_pins_what_the_engine_reads():
+    # Exercised for real by tests/test_rebuild.py (a strategy rebuilt per round on two workers)
+    # and test_horovod.py's "local-late" fit: the engine re-applies the server definition
+    # unless _std_server_started, and the running server's definition is the context's
+    # _collective_ops_server_def.
+    import inspect
+
+    source = inspect.getsource(_tf_private.CollectiveAllReduceExtended._initialize_multi_worker)
+    assert 'getattr(self, "_std_server_started", False)' in source
+    assert "enable_collective_ops(server_def)" in source
+    assert "self._enable_check_health" in source
+    context = _tf_private._eager_context.context()
+    assert hasattr(context, "_collective_ops_server_def")
+    # One process, no cluster: nothing to reuse, the engine is left alone.
+    import tensorflow as tf
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(tf.train.ClusterSpec({}))
+    engine = type("Engine", (), {})()
+    assert _tf_private.reuse_running_collective_server(engine, resolver) is False
+    assert not hasattr(engine, "_std_server_started")
+
+
 def test_abort_collective_ops_exists_with_code_and_message():
     # Exercised for real by tests/test_deadline.py (a custom step past its deadline, in a
     # process of its own: an abort is for good) and test_multiworker.py's blocked worker.

@@ -9,10 +9,13 @@ epoch losses (arrays ``init_<k>``, ``final_<k>``, ``loss``), the weights after o
 epoch with ``backward_passes_per_step=2`` (``passes_<k>``), and ``ranks``: rank, size,
 local rank, local size, cross rank, cross size.
 
-Env knobs: TFDP_TEST_OUT; HVD_LOCAL_BATCH (default 8); HVD_EPOCHS (default 2).
+Env knobs: TFDP_TEST_OUT; HVD_LOCAL_BATCH (default 8); HVD_EPOCHS (default 2); HVD_LATE
+"rank:seconds": that rank waits before its first collective, after TensorFlow's runtime started
+(the other ranks then build their collective engine first: issue 40's hang).
 """
 
 import os
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
@@ -41,6 +44,9 @@ optimizer = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01, global_clipnorm
 model.compile(optimizer=optimizer,
               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
               metrics=["accuracy"])
+late_rank, late_seconds = (os.environ.get("HVD_LATE") or "-1:0").split(":")
+if hvd.rank() == int(late_rank):
+    time.sleep(float(late_seconds))  # the order of arrival under test, not a synchronisation
 callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
              hvd.callbacks.MetricAverageCallback()]
 history = model.fit(dataset, epochs=int(os.environ.get("HVD_EPOCHS", "2")), callbacks=callbacks,

@@ -91,6 +91,7 @@ from tfdp._tf_private.coordination import (
     preconfigure_collective_runtime,
     publish_to_coordination_service,
     read_from_coordination_service,
+    reuse_running_collective_server,
     wait_at_coordination_barrier,
 )
 from tfdp._tf_private.keras_trainer import (
@@ -191,7 +192,7 @@ __all__ = [
     "publish_to_coordination_service", "read_from_coordination_service",
     "coordination_service_configured", "wait_at_coordination_barrier",
     "COLLECTIVE_RUNTIME_CONTEXT_METHODS", "eager_context_initialized",
-    "preconfigure_collective_runtime",
+    "preconfigure_collective_runtime", "reuse_running_collective_server",
     # keras_trainer
     "patch_keras_fit", "patch_keras_auto_jit_compile", "patch_keras_step_functions", "keras_make_step_function",
     "keras_model_supports_jit", "keras_compute_loss", "keras_call_has_training_arg",

@@ -84,7 +84,7 @@ def preconfigure_collective_runtime(cluster_spec: dict, task_type: str, task_id:
     ``_initialize_multi_worker`` (collective leader and device filters, the coordination
     service over the chief and workers, the server definition), without initialising the
     context. The engine's own calls later find them done (an identical configuration is
-    accepted; the server definition is re-applied).
+    accepted; the server the context started is kept: ``reuse_running_collective_server``).
 
     Args:
         cluster_spec: ``{"chief": [...], "worker": [...]}`` (the training ring).
@@ -113,3 +113,44 @@ def preconfigure_collective_runtime(cluster_spec: dict, task_type: str, task_id:
         cluster=spec.as_cluster_def(), default_session_config=_copy.deepcopy(context.config),
         job_name=task_type, task_index=task_id, protocol="grpc", port=0)
     context.enable_collective_ops(server_def)
+
+
+# --- one collective runtime per process (issue 40) ----------------------------------------
+
+def reuse_running_collective_server(extended, cluster_resolver) -> bool:
+    """Makes a collective strategy's engine, about to be built, keep the collective server
+    this process already runs for the same task of the same cluster; returns whether it did.
+
+    Why: MultiWorkerMirroredStrategy's engine (``_initialize_multi_worker``) calls
+    ``context.enable_collective_ops(server_def)`` in every strategy's constructor unless the
+    engine object says its server is started (``_std_server_started``, per engine, so never
+    for a second strategy). On a running server that call is ``GrpcServer::UpdateServerDef``,
+    which replaces the process's collective executor manager, group and instance resolver
+    included. Each worker does it when it builds its strategy; a peer that builds its own
+    first and registers a new group with this process (the leader) before this process
+    rebuilds has registered it with the resolver that is thrown away: the leader's new
+    resolver waits for that peer forever, and the peer for the leader (issue 40's hangs:
+    a strategy rebuilt in one process, and Horovod's engine built after the context started).
+    Nothing is lost by keeping the running manager: each tfdp strategy has its own
+    collective-key range (``set_collective_key_base``). The engine's health-check thread is
+    off as the engine itself turns it off when the coordination service runs. No public API
+    says whether, or for what, the context's collective server runs.
+
+    Args:
+        extended: the engine object, before ``CollectiveAllReduceExtended.__init__``.
+        cluster_resolver: the resolver it is built with.
+    """
+    spec = cluster_resolver.cluster_spec()
+    if not spec.as_dict():
+        return False  # a single process: no server
+    context = _eager_context.context()
+    if not eager_context_initialized():
+        return False  # the engine's call only records the definition: nothing is replaced
+    running = _get(context, "_collective_ops_server_def", "reusing the collective server")
+    if (running is None or running.cluster != spec.as_cluster_def()
+            or running.job_name != cluster_resolver.task_type
+            or running.task_index != cluster_resolver.task_id):
+        return False  # none, or another job's: TensorFlow's own path
+    extended._std_server_started = True  # noqa: SLF001
+    extended._enable_check_health = not coordination_service_configured()  # noqa: SLF001
+    return True

@@ -105,6 +105,11 @@ class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
         self._tfdp_device_indices = list(local_device_indices)
         # None: every variable mirrored; else shard_parameters=True with this threshold.
         self._tfdp_shard_min_elements = None
+        # Issue 40: a second strategy in a process (or Horovod's engine, built after the
+        # context started) must not re-apply the server definition: TensorFlow would replace
+        # the process's collective resolver, losing a peer's group registration that arrived
+        # first, and both workers would wait forever in the first variable's broadcast.
+        _tf_private.reuse_running_collective_server(self, cluster_resolver)
         super().__init__(container, cluster_resolver=cluster_resolver,
                          communication_options=options)
 

@@ -1,0 +1,49 @@
+"""A strategy rebuilt in one process, on two real workers (issue 40, hang 2).
+
+Notebooks, sweeps and tuners build a new ``DataParallelStrategy`` per trial in one process.
+Each new strategy used to make TensorFlow re-apply the worker's server definition, which
+replaces the process's collective resolver: a peer that built its strategy first and
+registered the first variable's broadcast group with the chief (the group leader) before the
+chief rebuilt lost that registration, and both waited forever (chief in broadcast_send,
+worker 1 in broadcast_recv). ``TFDP_TEST_LATE=0:3`` makes the chief the last to arrive in
+every round after the first: without the fix that hung in every run (3 of 3), in round 1 or 2.
+Every launch is bounded by a timeout (stacks of every process on expiry), 127.0.0.1 only.
+"""
+
+import numpy as np
+import pytest
+import keras
+
+from helpers import classification_data, initial_weights, mlp, train
+from launching import run_job, tfdp_run_command, worker_env, worker_script
+
+pytestmark = [pytest.mark.multiworker, pytest.mark.slow]
+LAUNCH_TIMEOUT = 240
+ROUNDS = 3
+
+
+def one_device(epochs):
+    x, y = classification_data(n=128)
+    model, _ = train(None, mlp, lambda: keras.optimizers.Adam(0.01), x, y, 32, epochs=epochs,
+                     weights=initial_weights(mlp))
+    return model.get_weights()
+
+
+@pytest.mark.parametrize("late", ["0:3", "1:3"])
+def test_a_strategy_rebuilt_round_after_round_trains_like_one_device(tmp_path, late):
+    # late "0:3": the chief arrives last in rounds 1.. (the order that hung); "1:3": worker 1.
+    environ = worker_env(TFDP_TEST_OUT=tmp_path, TF_CPP_MIN_LOG_LEVEL=2, TFDP_TEST_LATE=late,
+                         TFDP_TEST_ROUNDS=ROUNDS, TFDP_TEST_EPOCHS=1)
+    cmd = tfdp_run_command(worker_script("mw_rebuild.py"), workers=2, cpu_replicas=4,
+                           flags=["--output", "all"])
+    code, out = run_job(cmd, environ, LAUNCH_TIMEOUT)
+    assert code == 0, out[-4000:]
+    assert all(f"rank {r}: done {ROUNDS} rounds" in out for r in range(2)), out[-4000:]
+    want = one_device(epochs=1)
+    for k in range(ROUNDS):
+        for r in range(2):
+            saved = np.load(tmp_path / f"round{k}-{r}.npz")
+            got = [saved[f"arr_{i}"] for i in range(len(want))]
+            for i, (a, b) in enumerate(zip(got, want)):
+                np.testing.assert_allclose(a, b, atol=1e-6, rtol=0,
+                                           err_msg=f"round {k}, rank {r}, weight {i}")

@@ -1,0 +1,85 @@
+"""A strategy rebuilt in one process, round after round (issue 40, hang 2), run by
+tests/test_rebuild.py under ``tfdp-run --workers 2 --cpu-replicas 4``.
+
+Each round builds a ``tfdp.DataParallelStrategy``, fits a small MLP with
+``tfdp.ShardedOptimizer(Adam)``, ``tfdp.callbacks.BackupAndRestore`` and
+``tfdp.callbacks.StragglerMonitor`` (what notebooks, sweeps and tuners do), then calls
+``tfdp.strategy.keras_integration.uninstall()``. Each round's weights go to
+OUT/round<k>-<rank>.npz (every round starts from the same initial weights: one device's
+result is the same for every round).
+
+Env knobs: TFDP_TEST_OUT; TFDP_TEST_ROUNDS (default 6); TFDP_TEST_EPOCHS (default 2);
+TFDP_TEST_LATE="rank:seconds": that rank waits before building each strategy after the first (the
+other workers' runtime then reaches the new round first); TFDP_TEST_KEYS=1: every collective key this process takes (group, instance, device, caller) is
+logged to OUT/keys-<rank>.txt, to compare the workers' key sequences after a hang.
+"""
+
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfdp  # noqa: E402
+from tfdp.cluster import ClusterConfig  # noqa: E402
+from helpers import classification_data, initial_weights, mlp  # noqa: E402
+
+out = os.environ["TFDP_TEST_OUT"]
+rounds = int(os.environ.get("TFDP_TEST_ROUNDS", "6"))
+epochs = int(os.environ.get("TFDP_TEST_EPOCHS", "2"))
+rank = ClusterConfig.from_env().rank
+
+if os.environ.get("TFDP_TEST_KEYS"):
+    from tensorflow.python.distribute import cross_device_utils
+
+    keys_file = open(os.path.join(out, f"keys-{rank}.txt"), "w", buffering=1)
+    original_group, original_instance = (cross_device_utils.CollectiveKeys.get_group_key,
+                                         cross_device_utils.CollectiveKeys.get_instance_key)
+
+    def caller():
+        frames = [f for f in traceback.extract_stack()[:-2]
+                  if "tensorflow/python" not in f.filename and "keras/src" not in f.filename]
+        return " < ".join(f"{os.path.basename(f.filename)}:{f.lineno}:{f.name}"
+                          for f in frames[-4:][::-1])
+
+    def get_group_key(self, devices):
+        key = original_group(self, devices)
+        keys_file.write(f"group {key} {','.join(devices)} | {caller()}\n")
+        return key
+
+    def get_instance_key(self, group_key, device):
+        key = original_instance(self, group_key, device)
+        keys_file.write(f"instance g={group_key} i={key} {device} | {caller()}\n")
+        return key
+
+    cross_device_utils.CollectiveKeys.get_group_key = get_group_key
+    cross_device_utils.CollectiveKeys.get_instance_key = get_instance_key
+
+x, y = classification_data(n=128)
+global_batch = 32
+late_rank, late_seconds = (os.environ.get("TFDP_TEST_LATE") or "-1:0").split(":")
+for k in range(rounds):
+    print(f"rank {rank}: round {k}", flush=True)
+    if k and rank == int(late_rank):
+        time.sleep(float(late_seconds))  # the order of arrival under test, not a synchronisation
+    strategy = tfdp.DataParallelStrategy()
+    if k == 0:
+        w0 = initial_weights(mlp)  # after the first strategy: it configures TensorFlow
+    with strategy.scope():
+        model = mlp()
+        model.set_weights(w0)
+        model.compile(optimizer=tfdp.ShardedOptimizer(keras.optimizers.Adam(0.01)),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    train = tfdp.data.distribute(strategy, tf.data.Dataset.from_tensor_slices((x, y)),
+                                 global_batch)
+    callbacks = [tfdp.callbacks.BackupAndRestore(os.path.join(out, f"backup{k}")),
+                 tfdp.callbacks.StragglerMonitor(window=2)]
+    model.fit(train, epochs=epochs, verbose=0, callbacks=callbacks)
+    np.savez(os.path.join(out, f"round{k}-{rank}.npz"), *model.get_weights())
+    tfdp.strategy.keras_integration.uninstall()
+print(f"rank {rank}: done {rounds} rounds", flush=True)
+sys.stdout.flush()
