@@ -4,7 +4,7 @@ with ``shard_parameters=True``, on this host, under the same memory bound.
 Each configuration runs in a fresh child process whose data segment is capped with
 ``RLIMIT_DATA`` (``--memory_limit_gb``; Linux counts every private writable mapping in it,
 so TensorFlow's allocations fail inside the child instead of the machine running out): an MLP
-of ``--depth`` Dense layers of ``--width`` units (default 60 x 4096: 1.0 billion parameters),
+of ``--depth`` Dense layers of ``--width`` units (default 240 x 2048: 1.0 billion parameters),
 Adam, ``--steps`` steps of ``fit`` on ``--replicas`` logical CPU replicas (one process holds
 every replica). A child reports its parameters, the peak resident memory (VmHWM) and each
 step's time, or how it failed.
@@ -38,8 +38,8 @@ LABELS = {"zero3": "ZeRO-3 (shard_parameters=True)", "zero2": "ZeRO-2 (ShardedOp
 OUT_OF_MEMORY_SIGNS = ("ResourceExhaustedError", "MemoryError", "bad_alloc", "OOM",
                        "Cannot allocate memory", "failed to allocate")
 
-flags.DEFINE_integer("width", 4096, "Units of every Dense layer (and the input width).")
-flags.DEFINE_integer("depth", 60, "Dense layers of width x width.")
+flags.DEFINE_integer("width", 2048, "Units of every Dense layer (and the input width).")
+flags.DEFINE_integer("depth", 240, "Dense layers of width x width.")
 flags.DEFINE_integer("replicas", 8, "Logical CPU replicas.")
 flags.DEFINE_integer("steps", 3, "fit steps.")
 flags.DEFINE_integer("batch_per_replica", 8, "Examples per replica per step.")

@@ -60,10 +60,11 @@ from tensorflow.python.eager import context as _eager_context
 
 # Why: tfdp's extended object (strategy.py, _DataParallelExtended) overrides these hooks of
 # CollectiveAllReduceExtended: which local devices are replicas, merge-call-free collectives,
-# variable creation (ONLY_FIRST_REPLICA counters), and the two reduction entry points (to cast
-# dtypes TensorFlow's collectives cannot sum). tf.distribute has no public extension points.
+# variable creation (ONLY_FIRST_REPLICA counters, sharded parameters), the two reduction entry
+# points (to cast dtypes TensorFlow's collectives cannot sum) and a replica's variable update
+# (sharded variables updated one at a time). tf.distribute has no public extension points.
 EXTENDED_HOOKS = ("_initialize_local_devices", "_use_merge_call", "_create_variable",
-                  "_reduce_to", "_replica_ctx_all_reduce")
+                  "_reduce_to", "_replica_ctx_all_reduce", "_replica_ctx_update")
 require_attributes(CollectiveAllReduceExtended, EXTENDED_HOOKS,
                    "hooks tfdp's DataParallelStrategy overrides")
 

@@ -564,6 +564,11 @@ def install_keras_gradient_hooks():
                 from tfdp.strategy import sharded_parameters
 
                 sharded_parameters.check_optimizer(self)
+                # Last layers first: backprop produces their gradients first, and with
+                # sharded variables updated one at a time (sharded_parameters.py) each update
+                # then runs, and frees its gradient, while backprop goes on. Keras finds a
+                # variable's state by key, so the order changes no result.
+                grads, trainable_variables = list(grads)[::-1], list(trainable_variables)[::-1]
             # The optimizer's step reads sharded parameters as this replica's slices
             # (shard_parameters=True: Keras's EMA update reads the model variables).
             with _tf_private.applying(trainable_variables), _tf_private.reading_slices():

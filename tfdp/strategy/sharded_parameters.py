@@ -123,8 +123,15 @@ class ShardSpec:
         return flat
 
     def slice_of(self, flat_padded, local_index: int):
+        """Replica ``local_index``'s slice, in a buffer of its own.
+
+        A slice of a tensor shares its buffer; a variable created or assigned from it would
+        keep the whole tensor alive, and TensorFlow copies a shared buffer at the variable's
+        first update (every slice of a model at once in the first step: measured, 15 bytes
+        per parameter more at its peak). A copy owns its memory.
+        """
         start = (self.first_shard + local_index) * self.shard_size
-        return flat_padded[start:start + self.shard_size]
+        return tf.raw_ops.DeepCopy(x=flat_padded[start:start + self.shard_size])
 
     def slices_of(self, value):
         value = tf.convert_to_tensor(value)
@@ -295,11 +302,38 @@ def create(extended, next_creator, min_elements, kwargs: dict):
             if i:
                 args["name"] = "%s/replica_%d/" % (components[0].name.split(":")[0], i)
             with tf.device(device):
-                args["initial_value"] = tf.identity(spec.slice_of(flat, i))
+                args["initial_value"] = spec.slice_of(flat, i)
                 components.append(next_creator(**args))
         return components
 
     return _tf_private.create_sharded_variable(strategy, make_components, spec, **kwargs)
+
+
+# --- Updates one slice at a time ----------------------------------------------------------------
+_updates = threading.local()
+
+
+class one_update_at_a_time(object):  # noqa: N801 (a context manager)
+    """Around one variable's update in a replica: its ops run after the previous sharded
+    variable's update in this replica's traced step. Keras's optimizer builds every variable's
+    update independently, and a graph runs independent updates at once: their temporaries
+    (Adam's new moments, the step) would then all exist together, several bytes per parameter
+    of the whole model at the end of every step. One at a time, they exist for one slice."""
+
+    def __enter__(self):
+        graph = tf.compat.v1.get_default_graph()
+        if getattr(_updates, "graph", None) is not graph:
+            _updates.graph, _updates.last = graph, None
+        self._graph, self._first = graph, len(graph.get_operations())
+        self._deps = tf.control_dependencies([] if _updates.last is None else [_updates.last])
+        self._deps.__enter__()
+
+    def __exit__(self, *exc):
+        self._deps.__exit__(*exc)
+        if exc[0] is None and not tf.executing_eagerly():
+            created = self._graph.get_operations()[self._first:]
+            if created:
+                _updates.last = tf.group(*created)
 
 
 # --- Which optimizers can update slices --------------------------------------------------------
