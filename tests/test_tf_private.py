@@ -437,7 +437,7 @@ def test_autograph_user_function_converts_beneath_do_not_convert():
 # --- the package by area and its patch registry (issue 31 item 2) ---------------------------
 
 AREAS = ("core", "distribute", "data", "coordination", "keras_trainer", "keras_optimizer",
-         "keras_random", "keras_saving", "gradients")
+         "keras_random", "keras_saving", "gradients", "sharded_variable")
 
 
 def _python(code: str) -> str:
@@ -760,3 +760,22 @@ def test_lookup_ids_reads_tensorflow_gather_gradients():
     adam = keras.optimizers.Adam(1e-3, clipvalue=0.5)
     clipped = _tf_private.keras_clip_gradients(adam, [tf.constant([2.0, -0.1])])
     np.testing.assert_allclose(np.asarray(clipped[0]), [0.5, -0.1])
+
+
+def test_sharded_variable_pieces_are_where_tfdp_expects_them():
+    """ZeRO-3's variable (tfdp/_tf_private/sharded_variable.py): the MirroredVariable methods it
+    replaces, the creator it reuses, the replica lookup, and Keras's layer call and scopes."""
+    import keras
+    from tensorflow.python.distribute import values
+
+    for name in _tf_private.SHARDED_VARIABLE_HOOKS:
+        assert hasattr(values.MirroredVariable, name), name
+    assert issubclass(_tf_private.ShardedVariable, values.MirroredVariable)
+    assert _tf_private.current_replica_id() is None or _tf_private.current_replica_id() == 0
+    assert not _tf_private.in_keras_symbolic_scope() and not _tf_private.in_keras_stateless_scope()
+    with keras.StatelessScope():
+        assert _tf_private.in_keras_stateless_scope()
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    assert len(_tf_private.own_trainable_variables(layer)) == 2
+    assert "__call__" in vars(keras.layers.Layer) or hasattr(keras.layers.Layer, "__call__")

@@ -149,6 +149,7 @@ from tfdp._tf_private.sharded_variable import (
     current_replica_id,
     in_keras_stateless_scope,
     in_keras_symbolic_scope,
+    in_update_context,
     is_sharded_variable,
     own_trainable_variables,
     patch_keras_layer_call,
@@ -213,7 +214,7 @@ __all__ = [
     # sharded_variable
     "SHARDED_VARIABLE_HOOKS", "ShardedVariable", "broadcast_initial_value", "current_replica_id",
     "create_sharded_variable", "is_sharded_variable", "sharded_container", "reading_slices",
-    "in_keras_symbolic_scope", "in_keras_stateless_scope", "own_trainable_variables",
+    "in_keras_symbolic_scope", "in_keras_stateless_scope", "in_update_context", "own_trainable_variables",
     "patch_keras_layer_call",
     # keras_saving
     "patch_keras_file_writers", "patch_keras_makedirs", "patch_keras_export",

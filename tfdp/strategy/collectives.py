@@ -523,6 +523,10 @@ def _tfdp_strategy_in_replica_context(optimizer):
     return strategy
 
 
+# ZeRO-3's clip_gradients and check_optimizer, registered by sharded_parameters on import.
+SHARDED_HOOKS: dict = {}
+
+
 def install_keras_gradient_hooks():
     """Makes Keras reduce gradients *before* clipping under a tfdp strategy.
 
@@ -547,23 +551,19 @@ def install_keras_gradient_hooks():
                 return original_clip(self, all_reduce_gradients(grads, strategy))
             # shard_parameters=True: a sharded parameter's gradient is its slice, reduced
             # already (reduce-scattered in the backward pass); norms span replicas.
-            from tfdp.strategy import sharded_parameters
-
             mirrored = [i for i, s in enumerate(sharded) if not s]
             reduced = all_reduce_gradients([grads[i] for i in mirrored], strategy)
             grads = list(grads)
             for i, g in zip(mirrored, reduced):
                 grads[i] = g
-            return sharded_parameters.clip_gradients(self, grads, variables, original_clip)
+            return SHARDED_HOOKS["clip_gradients"](self, grads, variables, original_clip)
         return _clip_gradients
 
     def make_apply_gradients(original_apply):
         def _backend_apply_gradients(self, grads, trainable_variables):
             if (_tfdp_strategy_in_replica_context(self) is not None
                     and any(_tf_private.is_sharded_variable(v) for v in trainable_variables)):
-                from tfdp.strategy import sharded_parameters
-
-                sharded_parameters.check_optimizer(self)
+                SHARDED_HOOKS["check_optimizer"](self)
                 # Last layers first: backprop produces their gradients first, and with
                 # sharded variables updated one at a time (sharded_parameters.py) each update
                 # then runs, and frees its gradient, while backprop goes on. Keras finds a

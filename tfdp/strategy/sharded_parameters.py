@@ -451,3 +451,6 @@ def sharded_bytes_per_replica(variables, strategy=None) -> list[int]:
                 if d == device:
                     totals[k] += size
     return totals
+
+
+collectives.SHARDED_HOOKS.update(clip_gradients=clip_gradients, check_optimizer=check_optimizer)
