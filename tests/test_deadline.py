@@ -74,6 +74,26 @@ def test_watching_arms_nothing_without_a_timeout(monkeypatch):
     assert armed == []
 
 
+def test_the_broadcast_message_names_the_variable_the_missing_workers_and_the_fix():
+    # Real two-worker cases: tests/test_rebuild.py.
+    named = deadline.broadcast_overdue_message("kernel", 18.0, 0, 3, missing=[2])
+    assert "variable 'kernel' on worker 0 of 3 did not finish within 18 s" in named
+    assert "Worker(s) 2 never reached this strategy's first variable" in named
+    assert "Build the same model on every worker" in named and "timeout_seconds" in named
+    unknown = deadline.broadcast_overdue_message("bias", 3.0, 1, 2)
+    assert "one creates a variable the others do not" in unknown
+
+
+def test_variable_broadcast_arms_nothing_in_one_process_or_without_a_timeout(monkeypatch):
+    armed = []
+    monkeypatch.setattr(deadline._watchdog, "arm", lambda *a: armed.append(a) or 0)
+    for strategy in (object(), tfdp.DataParallelStrategy(devices=cpu_devices(2),
+                                                         timeout_seconds=300)):
+        with deadline.variable_broadcast(strategy, "kernel", first=True):
+            pass
+    assert armed == []
+
+
 def _thread_growth(strategy, steps=100):
     @tf.function
     def step(x):

@@ -9,7 +9,9 @@ OUT/round<k>-<rank>.npz (every round starts from the same initial weights: one d
 result is the same for every round).
 
 Env knobs: TFDP_TEST_OUT; TFDP_TEST_ROUNDS (default 6); TFDP_TEST_EPOCHS (default 2);
-TFDP_TEST_LATE="rank:seconds": that rank waits before building each strategy after the first (the
+TFDP_TEST_TIMEOUT: the strategies' timeout_seconds; TFDP_TEST_NO_MODEL=rank: that rank never
+builds round 0's model (it stays alive, waiting); TFDP_TEST_CHIEF_VARIABLE=1: the chief alone
+creates one more variable in scope after round 0's model; TFDP_TEST_LATE="rank:seconds": that rank waits before building each strategy after the first (the
 other workers' runtime then reaches the new round first); TFDP_TEST_KEYS=1: every collective key this process takes (group, instance, device, caller) is
 logged to OUT/keys-<rank>.txt, to compare the workers' key sequences after a hang.
 """
@@ -66,7 +68,11 @@ for k in range(rounds):
     print(f"rank {rank}: round {k}", flush=True)
     if k and rank == int(late_rank):
         time.sleep(float(late_seconds))  # the order of arrival under test, not a synchronisation
-    strategy = tfdp.DataParallelStrategy()
+    timeout = os.environ.get("TFDP_TEST_TIMEOUT")
+    strategy = tfdp.DataParallelStrategy(timeout_seconds=float(timeout) if timeout else None)
+    if k == 0 and os.environ.get("TFDP_TEST_NO_MODEL") == str(rank):
+        print(f"rank {rank}: not building the model", flush=True)
+        time.sleep(600)  # alive (heartbeating) but never at the first variable; tfdp-run ends it
     if k == 0:
         w0 = initial_weights(mlp)  # after the first strategy: it configures TensorFlow
     with strategy.scope():
@@ -74,6 +80,8 @@ for k in range(rounds):
         model.set_weights(w0)
         model.compile(optimizer=tfdp.ShardedOptimizer(keras.optimizers.Adam(0.01)),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        if k == 0 and rank == 0 and os.environ.get("TFDP_TEST_CHIEF_VARIABLE"):
+            tf.Variable(tf.zeros([3]), name="chief_only")
     train = tfdp.data.distribute(strategy, tf.data.Dataset.from_tensor_slices((x, y)),
                                  global_batch)
     callbacks = [tfdp.callbacks.BackupAndRestore(os.path.join(out, f"backup{k}")),

@@ -110,6 +110,7 @@ class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
         # the process's collective resolver, losing a peer's group registration that arrived
         # first, and both workers would wait forever in the first variable's broadcast.
         _tf_private.reuse_running_collective_server(self, cluster_resolver)
+        self._tfdp_variables_created = 0  # the first one's broadcast gets a longer deadline
         super().__init__(container, cluster_resolver=cluster_resolver,
                          communication_options=options)
 
@@ -143,7 +144,13 @@ class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
                                                 self._tfdp_shard_min_elements, kwargs)
             if sharded is not None:
                 return sharded
-        return super()._create_variable(next_creator, **kwargs)
+        # Issue 40: on several workers creating a variable is a collective outside any step
+        # (the chief broadcasts its initial value); a worker that never comes must be an
+        # error naming it within timeout_seconds, not a hang (deadline.variable_broadcast).
+        first = self._tfdp_variables_created == 0
+        self._tfdp_variables_created += 1
+        with deadline.variable_broadcast(self._container_strategy(), kwargs.get("name"), first):
+            return super()._create_variable(next_creator, **kwargs)
 
     def _reduce_to(self, reduce_op, value, destinations, options):
         # strategy.reduce / extended.reduce_to: dtypes the collectives cannot sum on these

@@ -19,6 +19,13 @@ two threads per collective, each alive for the timeout; a 2-worker job at 400 st
 16,000 threads after 19 s and died with ``std::system_error: Resource temporarily unavailable``
 (SIGABRT). A job at 10 steps/s with two local replicas held about 12,000 sleeping threads
 at all times. One watchdog thread per process costs a lock and a notify per step.
+
+Outside a step: the initial-value broadcast. Every variable created in ``strategy.scope()`` on
+several workers is a collective (the chief sends its initial value, the others receive it), run
+when the variable is created, outside any step. ``variable_broadcast`` puts it under the same
+deadline (the first variable of a strategy, where the workers first meet, gets
+``FIRST_STEP_FACTOR`` times as long), and each worker posts its arrival at that first one in the
+coordination service, so the error names the worker(s) that never came.
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ import functools
 import threading
 import time
 
-__all__ = ["FIRST_STEP_FACTOR", "deadline_seconds", "overdue_message", "Watchdog", "watching"]
+__all__ = ["FIRST_STEP_FACTOR", "deadline_seconds", "overdue_message", "Watchdog", "watching",
+           "variable_broadcast", "broadcast_overdue_message"]
 
 FIRST_STEP_FACTOR = 6
 
@@ -129,6 +137,85 @@ def watching(strategy, what: str, first: bool = False):
     cluster = strategy.cluster
     token = _watchdog.arm(seconds, functools.partial(overdue_message, what, seconds, cluster.rank,
                                                      cluster.num_workers))
+    try:
+        yield
+    finally:
+        _watchdog.disarm(token)
+
+
+# --- the initial-value broadcast of a variable (outside any step) ---------------------------
+
+_ARRIVAL_KEY = "tfdp/first-variable"
+
+
+def broadcast_overdue_message(variable: str, seconds: float, rank: int, num_workers: int,
+                              missing=None) -> str:
+    """The error of an initial-value broadcast past its deadline.
+
+    Args:
+        missing: the ranks that never reached the strategy's first variable (None: unknown).
+    """
+    head = (f"tfdp: the initial-value broadcast of variable {variable!r} on worker {rank} of "
+            f"{num_workers} did not finish within {seconds:g} s (DataParallelStrategy's "
+            "timeout_seconds), so tfdp aborted its collectives. Each variable created in "
+            "strategy.scope() is a collective: the chief (worker 0) sends its initial value "
+            "and every other worker receives it, so every worker must create the same "
+            "variables in the same order. ")
+    if missing:
+        who = (f"Worker(s) {', '.join(map(str, missing))} never reached this strategy's first "
+               "variable: they are stuck before building the model (input preparation, a "
+               "download, a blocking call) or skip it (an `if is_chief` / `if rank == 0` "
+               "around building a model, optimizer or variable). ")
+    else:
+        who = ("Every worker reached this strategy's first variable, so one creates a variable "
+               "the others do not (an `if is_chief` / `if rank == 0` around creating a model, "
+               "optimizer, metric or variable inside strategy.scope()) or is stuck between two "
+               "variables. The worker logs show which one is behind. ")
+    return head + who + ("Build the same model on every worker; if a worker legitimately "
+                         "reaches it this much later, raise timeout_seconds.")
+
+
+def _missing_at_first_variable(key: str, num_workers: int) -> list:
+    from tfdp import _tf_private
+
+    missing = []
+    for rank in range(num_workers):
+        try:
+            _tf_private.read_from_coordination_service(f"{key}/{rank}", 0.001)
+        except Exception:  # noqa: BLE001  (tf.errors.OpError: not there, or the service is gone)
+            missing.append(rank)
+    return missing
+
+
+@contextlib.contextmanager
+def variable_broadcast(strategy, variable: str, first: bool):
+    """Arms ``strategy``'s deadline around creating ``variable`` (its initial-value broadcast)
+    on several workers; see the module docstring.
+
+    Args:
+        strategy: a tfdp strategy (nothing is armed for one worker or no ``timeout_seconds``).
+        variable: the variable's name, for the error.
+        first: the strategy's first variable: the workers first meet there (a longer
+            deadline), and each posts its arrival so the error can name the missing ones.
+    """
+    cluster = getattr(strategy, "cluster", None)
+    seconds = deadline_seconds(getattr(strategy, "timeout_seconds", None), first)
+    if cluster is None or not cluster.is_multi_worker or seconds is None:
+        yield
+        return
+    from tfdp import _tf_private
+
+    key = f"{_ARRIVAL_KEY}/{strategy._tfdp_key_base}"  # noqa: SLF001 (per strategy, same on all)
+    known = first and _tf_private.coordination_service_configured()
+    if known:
+        _tf_private.publish_to_coordination_service(f"{key}/{cluster.rank}", "1")
+
+    def message():
+        missing = _missing_at_first_variable(key, cluster.num_workers) if known else None
+        return broadcast_overdue_message(variable, seconds, cluster.rank, cluster.num_workers,
+                                         missing)
+
+    token = _watchdog.arm(seconds, message)
     try:
         yield
     finally:
