@@ -14,7 +14,7 @@ import sys as _sys
 
 from tfdp.cluster import ClusterConfig, ClusterConfigError
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 _NAMES = {
     "configure_cpu_replicas": "tfdp.strategy.devices",

@@ -1,0 +1,162 @@
+"""ZeRO-3's step time against tfdp unsharded and ZeRO-2, on the same model and layout.
+
+Configurations: ``unsharded`` (Keras's Adam under ``DataParallelStrategy``), ``zero2``
+(``tfdp.ShardedOptimizer(Adam)``), ``zero3`` (``shard_parameters=True``, units re-gathered in
+the backward pass) and ``zero3_keep`` (``reshard_after_forward=False``: no recomputation).
+Layouts: ``4x1`` (one process, 4 logical CPU replicas) and ``2x2`` (``tfdp-run --workers 2
+--cpu-replicas 2``, real processes on 127.0.0.1). Each run is a fresh process (or job): a
+``--depth`` x ``--width`` MLP on ``--width`` inputs, Adam, ``fit`` for ``--warmup`` + ``--steps``
+steps of global batch ``--batch``; the median time of the timed steps.
+
+A round runs every (layout, configuration) once, in an order rotated every round; each
+round's ratio to ``unsharded`` is taken within the round (this host's noise between processes
+is about +-25%, TF_NOTES.md), and the report gives the median ratio and its range.
+
+    python tools/bench_zero3.py --rounds=3      # ~10 min; docs/benchmarks/zero3_speed.{md,csv}
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags  # noqa: E402
+
+CONFIGS = ("unsharded", "zero2", "zero3", "zero3_keep")
+LAYOUTS = ("4x1", "2x2")
+
+flags.DEFINE_list("configs", list(CONFIGS), "Configurations.")
+flags.DEFINE_list("layouts", list(LAYOUTS), "Layouts: 4x1 (one process), 2x2 (two workers).")
+flags.DEFINE_integer("rounds", 3, "Interleaved rounds.")
+flags.DEFINE_integer("depth", 8, "Dense layers.")
+flags.DEFINE_integer("width", 1024, "Units per layer (and inputs).")
+flags.DEFINE_integer("batch", 256, "Global batch.")
+flags.DEFINE_integer("warmup", 3, "Untimed steps (tracing).")
+flags.DEFINE_integer("steps", 12, "Timed steps.")
+flags.DEFINE_string("out", "docs/benchmarks/zero3_speed", "Output prefix ('' to skip).")
+flags.DEFINE_string("child", "", "Internal: the configuration to run here.")
+flags.DEFINE_integer("child_replicas", 4, "Internal: local replicas of the child.")
+FLAGS = flags.FLAGS
+
+
+def _child():
+    import numpy as np
+    import keras
+    import tensorflow as tf
+
+    import tfdp
+
+    if "TF_CONFIG" not in os.environ:
+        tfdp.configure_cpu_replicas(FLAGS.child_replicas)
+    config = FLAGS.child
+    strategy = tfdp.DataParallelStrategy(shard_parameters=config.startswith("zero3"),
+                                         reshard_after_forward=config != "zero3_keep")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(FLAGS.batch * 4, FLAGS.width)).astype("float32")
+    y = rng.integers(0, 10, size=FLAGS.batch * 4).astype("int32")
+    data = tfdp.data.distribute(strategy, tf.data.Dataset.from_tensor_slices((x, y)).repeat(),
+                                global_batch_size=FLAGS.batch)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((FLAGS.width,))] + [
+            keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.depth)]
+            + [keras.layers.Dense(10)])
+        optimizer = keras.optimizers.Adam(1e-4)
+        if config == "zero2":
+            optimizer = tfdp.ShardedOptimizer(optimizer)
+        model.compile(optimizer=optimizer,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    times = []
+
+    class Timer(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.t = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            times.append(time.perf_counter() - self.t)
+
+    model.fit(data, epochs=1, steps_per_epoch=FLAGS.warmup + FLAGS.steps, verbose=0,
+              callbacks=[Timer()])
+    if strategy.cluster.is_chief:
+        print(f"STEP_MS {1000 * statistics.median(times[FLAGS.warmup:]):.2f}", flush=True)
+
+
+def _command(config, layout):
+    args = [os.path.abspath(__file__), f"--child={config}", f"--depth={FLAGS.depth}",
+            f"--width={FLAGS.width}", f"--batch={FLAGS.batch}", f"--warmup={FLAGS.warmup}",
+            f"--steps={FLAGS.steps}"]
+    if layout == "4x1":
+        return [sys.executable] + args + ["--child_replicas=4"]
+    run = os.path.join(os.path.dirname(sys.executable), "tfdp-run")
+    return [run, "--workers", "2", "--cpu-replicas", "2", "--", sys.executable] + args
+
+
+def run_one(config, layout) -> float:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.run(_command(config, layout), capture_output=True, text=True, env=env,
+                          timeout=900)
+    for line in (proc.stdout + proc.stderr).splitlines():
+        if "STEP_MS " in line:
+            return float(line.split("STEP_MS ")[1])
+    raise RuntimeError(f"{config} {layout} failed (exit {proc.returncode}):\n"
+                       f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+
+
+def main(argv):
+    del argv
+    if FLAGS.child:
+        return _child()
+    jobs = [(layout, config) for layout in FLAGS.layouts for config in FLAGS.configs]
+    rows = []
+    for r in range(FLAGS.rounds):
+        order = jobs[r % len(jobs):] + jobs[:r % len(jobs)]
+        for layout, config in order:
+            ms = run_one(config, layout)
+            rows.append(dict(round=r, layout=layout, config=config, step_ms=ms))
+            print(f"round {r + 1}/{FLAGS.rounds} {layout} {config:10s} {ms:8.1f} ms/step",
+                  flush=True)
+    if FLAGS.out:
+        _write(FLAGS.out, rows)
+
+
+def ratios(rows, layout, config, base="unsharded") -> list:
+    """Per-round ratio of ``config``'s step time to ``base``'s, same layout. Pure."""
+    by = {(r["round"], r["layout"], r["config"]): r["step_ms"] for r in rows}
+    rounds = sorted({r["round"] for r in rows})
+    return [by[(k, layout, config)] / by[(k, layout, base)] for k in rounds
+            if (k, layout, config) in by and (k, layout, base) in by]
+
+
+def _write(out, rows):
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out + ".csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["round", "layout", "config", "step_ms"])
+        writer.writeheader()
+        writer.writerows(rows)
+    params = FLAGS.depth * (FLAGS.width ** 2 + FLAGS.width) + FLAGS.width * 10 + 10
+    with open(out + ".md", "w") as f:
+        f.write(f"# ZeRO-3 step time ({time.strftime('%Y-%m-%d')})\n\n"
+                f"`python tools/bench_zero3.py --rounds={FLAGS.rounds}`: an MLP of {FLAGS.depth} "
+                f"Dense layers of {FLAGS.width} ({params / 1e6:.1f}M parameters), Adam, global "
+                f"batch {FLAGS.batch}, median of {FLAGS.steps} steps after {FLAGS.warmup}, each "
+                "run a fresh process (4x1) or tfdp-run job (2x2) on this 2-core host; ratios "
+                "to unsharded tfdp within each round.\n\n"
+                "| layout | configuration | ms/step (median of rounds) | / unsharded: median | range |\n"
+                "|---|---|---:|---:|---|\n")
+        for layout in FLAGS.layouts:
+            for config in FLAGS.configs:
+                ms = [r["step_ms"] for r in rows if r["layout"] == layout and r["config"] == config]
+                q = ratios(rows, layout, config)
+                f.write(f"| {layout} | {config} | {statistics.median(ms):.1f} | "
+                        f"{statistics.median(q):.2f} | {min(q):.2f}-{max(q):.2f} |\n")
+    print(f"wrote {out}.md, {out}.csv")
+
+
+if __name__ == "__main__":
+    app.run(main)
