@@ -19,6 +19,14 @@ Environment variables the launcher sets for each worker
     ``TFDP_GRACE_SECONDS``     the preemption grace period the launcher grants after SIGTERM.
     ``TFDP_CPU_REPLICAS``      ``--cpu-replicas K``: ``DataParallelStrategy()`` splits the CPU
                                into K logical replicas.
+    ``HOROVOD_RANK``, ``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK``, ``HOROVOD_LOCAL_SIZE``,
+    ``HOROVOD_CROSS_RANK``, ``HOROVOD_CROSS_SIZE``, and ``OMPI_COMM_WORLD_RANK``, ``_SIZE``,
+    ``_LOCAL_RANK``, ``_LOCAL_SIZE``
+                               what horovodrun (and Open MPI) give a process: the values
+                               ``hvd.rank()``, ``hvd.local_rank()``, ... report (one rule,
+                               ``tfdp.cluster.placement.horovod_environment``), for scripts
+                               that read them before ``hvd.init()``. tfdp itself never reads
+                               them (TF_CONFIG is the cluster).
 
 Environment variables the user may set
     ``TFDP_ORDERLY_EXIT``      ``0`` turns off the workers' exit barrier (tfdp.strategy.lifecycle).

@@ -6,8 +6,8 @@ start TensorFlow's runtime, so that a Horovod script may still pin its GPU after
 ``tfdp.ClusterConfig.from_env()`` (``TF_CONFIG``, which ``tfdp-run`` sets; Slurm, SageMaker,
 Vertex AI too): rank = ``cluster.rank``, size = ``cluster.num_workers``. The local and
 cross ranks follow Horovod's definitions from the hosts of the worker addresses (rank
-order): ``local_rank`` counts the earlier ranks on this host, ``cross_rank`` the earlier
-ranks with this ``local_rank`` (with as many slots on every host: the host's index).
+order), one rule in ``tfdp.cluster.placement`` that also gives the ``HOROVOD_*`` variables
+tfdp-run sets.
 
 With several processes ``init()`` also sets TensorFlow's eager context up (without starting
 it) to join the job's collective runtime when it starts: TensorFlow joins one only at
@@ -31,12 +31,12 @@ share a GPU, the engine uses ring collectives and says so.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 
 from tfdp.cluster import ClusterConfig
 from tfdp.cluster.gpus import local_gpus
+from tfdp.cluster.placement import Placement, placement  # noqa: F401 (the rule's home)
 
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
            "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported",
@@ -47,34 +47,6 @@ __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_rank", "
 log = logging.getLogger("tfdp")
 
 NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """This process's ranks, Horovod's definitions (see the module docstring)."""
-
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-    homogeneous: bool
-
-
-def placement(cluster: ClusterConfig) -> Placement:
-    """The ranks of ``cluster``'s process; pure (no TensorFlow)."""
-    rank, size = cluster.rank, cluster.num_workers
-    if not cluster.workers:
-        return Placement(rank, size, 0, 1, 0, 1, True)
-    hosts = [str(address).rsplit(":", 1)[0] for address in cluster.workers]
-    local = [hosts[:r].count(hosts[r]) for r in range(size)]
-    per_host = {h: hosts.count(h) for h in hosts}
-    mine = local[rank]
-    same_local = [r for r in range(size) if local[r] == mine]
-    return Placement(rank=rank, size=size, local_rank=mine, local_size=per_host[hosts[rank]],
-                     cross_rank=same_local.index(rank), cross_size=len(same_local),
-                     homogeneous=len(set(per_host.values())) == 1)
 
 
 class _State:

@@ -31,6 +31,8 @@ import dataclasses
 import socket
 from typing import Mapping, Optional, Sequence
 
+from tfdp.cluster.placement import placement_of
+
 __all__ = ["HorovodrunFlagError", "Translation", "translate", "network_interfaces", "add_flags",
            "apply", "given", "describe_workers", "local_ranks", "START_TIMEOUT_ENV", "IGNORED",
            "REFUSED"]
@@ -317,7 +319,8 @@ def given(args) -> dict:
 def local_ranks(hosts: Sequence[str]) -> list:
     """``(local rank, local size)`` of every rank whose host is ``hosts[rank]``, Horovod's
     definition (ranks of one host in rank order); pure."""
-    return [(hosts[:r].count(h), hosts.count(h)) for r, h in enumerate(hosts)]
+    places = [placement_of(list(hosts), r) for r in range(len(hosts))]
+    return [(p.local_rank, p.local_size) for p in places]
 
 
 def describe_workers(slots: Sequence[int], hosts: Sequence, addresses: Sequence[str]) -> list:

@@ -49,6 +49,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from tfdp.launcher import remote
 from tfdp.cluster import ClusterConfig
+from tfdp.cluster.placement import horovod_environment, placement_of
 from tfdp.launcher.hosts import Host
 from tfdp.protocol import (ATTEMPT_ENV, CONTROL_DIR_ENV, EVICT_FILE, EXIT_HOST_UNREACHABLE,
                            RANK_ENV, READY_FILE_ENV, SLOT_ENV, exit_code_of, progress_file)
@@ -57,7 +58,7 @@ __all__ = ["free_ports", "tf_configs", "Attempt", "LocalWorker", "RemoteWorker",
            "HostUnreachableError", "ProbeError", "remote_environment", "watch_exit",
            "PASSED_PREFIXES", "PASSED_NAMES"]
 
-PASSED_PREFIXES = ("TF_", "TFDP_", "CUDA_", "NCCL_")
+PASSED_PREFIXES = ("TF_", "TFDP_", "CUDA_", "NCCL_", "HOROVOD_", "OMPI_COMM_WORLD_")
 PASSED_NAMES = ("PYTHONPATH", "PYTHONUNBUFFERED")
 # How long tfdp-run waits, after the workers of an attempt are gone, for the rest of their
 # output (see Attempt.close).
@@ -414,6 +415,9 @@ class Attempt:
         for rank, slot in enumerate(self.slots):
             e = dict(env)
             e.update(protocol_env or {})
+            # horovodrun's HOROVOD_RANK, HOROVOD_LOCAL_RANK, ... (and Open MPI's), from the
+            # rule hvd.local_rank() etc. answer with (tfdp.cluster.placement).
+            e.update(horovod_environment(placement_of(addresses, rank)))
             e.update({"TF_CONFIG": configs[rank], RANK_ENV: str(rank), SLOT_ENV: str(slot),
                       ATTEMPT_ENV: str(number), CONTROL_DIR_ENV: self.control_dir,
                       READY_FILE_ENV: self.ready_files[rank]})
