@@ -287,3 +287,21 @@ def test_two_workers_two_replicas_train_like_one_device_and_save_a_plain_keras_f
         assert "slice0_2" not in saved
     loaded = keras.saving.load_model(tmp_path / "model.keras")
     assert_weights_close(loaded.get_weights(), ref.get_weights(), atol=1e-6, rtol=1e-5)
+
+
+# --- The tools' pure parts --------------------------------------------------------------------
+
+def test_speed_ratios_pair_runs_within_a_round_and_the_headline_reads_oom():
+    import bench_zero3
+    import zero3_headline
+
+    rows = [dict(round=0, layout="4x1", config="unsharded", step_ms=100.0),
+            dict(round=0, layout="4x1", config="zero3", step_ms=130.0),
+            dict(round=1, layout="4x1", config="unsharded", step_ms=200.0),
+            dict(round=1, layout="4x1", config="zero3", step_ms=220.0),
+            dict(round=1, layout="2x2", config="zero3", step_ms=10.0)]
+    assert bench_zero3.ratios(rows, "4x1", "zero3") == pytest.approx([1.3, 1.1])
+    assert bench_zero3.ratios(rows, "2x2", "zero3") == []  # no unsharded run to pair with
+    assert zero3_headline.out_of_memory("tensorflow.python.framework.errors_impl."
+                                        "ResourceExhaustedError: OOM when allocating")
+    assert not zero3_headline.out_of_memory("step 1: 12.0 s, loss 2.3")

@@ -31,18 +31,22 @@ from absl import app, flags  # noqa: E402
 CONFIGS = ("unsharded", "zero2", "zero3", "zero3_keep")
 LAYOUTS = ("4x1", "2x2")
 
-flags.DEFINE_list("configs", list(CONFIGS), "Configurations.")
-flags.DEFINE_list("layouts", list(LAYOUTS), "Layouts: 4x1 (one process), 2x2 (two workers).")
-flags.DEFINE_integer("rounds", 3, "Interleaved rounds.")
-flags.DEFINE_integer("depth", 8, "Dense layers.")
-flags.DEFINE_integer("width", 1024, "Units per layer (and inputs).")
-flags.DEFINE_integer("batch", 256, "Global batch.")
-flags.DEFINE_integer("warmup", 3, "Untimed steps (tracing).")
-flags.DEFINE_integer("steps", 12, "Timed steps.")
-flags.DEFINE_string("out", "docs/benchmarks/zero3_speed", "Output prefix ('' to skip).")
-flags.DEFINE_string("child", "", "Internal: the configuration to run here.")
-flags.DEFINE_integer("child_replicas", 4, "Internal: local replicas of the child.")
 FLAGS = flags.FLAGS
+
+
+def define_flags():
+    """The tool's flags (defined when it runs, so that importing it defines none)."""
+    flags.DEFINE_list("configs", list(CONFIGS), "Configurations.")
+    flags.DEFINE_list("layouts", list(LAYOUTS), "Layouts: 4x1 (one process), 2x2 (two workers).")
+    flags.DEFINE_integer("rounds", 3, "Interleaved rounds.")
+    flags.DEFINE_integer("depth", 8, "Dense layers.")
+    flags.DEFINE_integer("width", 1024, "Units per layer (and inputs).")
+    flags.DEFINE_integer("batch", 256, "Global batch.")
+    flags.DEFINE_integer("warmup", 3, "Untimed steps (tracing).")
+    flags.DEFINE_integer("steps", 12, "Timed steps.")
+    flags.DEFINE_string("out", "docs/benchmarks/zero3_speed", "Output prefix ('' to skip).")
+    flags.DEFINE_string("child", "", "Internal: the configuration to run here.")
+    flags.DEFINE_integer("child_replicas", 4, "Internal: local replicas of the child.")
 
 
 def _child():
@@ -159,4 +163,5 @@ def _write(out, rows):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

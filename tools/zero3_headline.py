@@ -1,9 +1,12 @@
 """ZeRO-3's headline: a model bigger than what unsharded data parallelism or ZeRO-2 fits trains
 with ``shard_parameters=True``, on this host, under the same memory bound.
 
-Each configuration runs in a fresh child process whose data segment is capped with
-``RLIMIT_DATA`` (``--memory_limit_gb``; Linux counts every private writable mapping in it,
-so TensorFlow's allocations fail inside the child instead of the machine running out): an MLP
+Each configuration runs in a fresh child process held to ``--memory_limit_gb`` of memory by a
+memory cgroup of its own (Linux cgroup v1 ``memory.limit_in_bytes``, as root; the kernel ends
+a child that goes over with SIGKILL, so the machine never runs out), or, where no cgroup can
+be made, by ``RLIMIT_DATA`` (which counts reserved address space too, and under which an
+allocation failure can leave TensorFlow waiting forever: a child whose CPU time stops
+advancing for a minute at the limit is ended and reported as out of memory): an MLP
 of ``--depth`` Dense layers of ``--width`` units (default 240 x 2048: 1.0 billion parameters),
 Adam, ``--steps`` steps of ``fit`` on ``--replicas`` logical CPU replicas (one process holds
 every replica). A child reports its parameters, the peak resident memory (VmHWM) and each
@@ -25,6 +28,7 @@ import os
 import resource
 import subprocess
 import sys
+import threading
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -38,17 +42,21 @@ LABELS = {"zero3": "ZeRO-3 (shard_parameters=True)", "zero2": "ZeRO-2 (ShardedOp
 OUT_OF_MEMORY_SIGNS = ("ResourceExhaustedError", "MemoryError", "bad_alloc", "OOM",
                        "Cannot allocate memory", "failed to allocate")
 
-flags.DEFINE_integer("width", 2048, "Units of every Dense layer (and the input width).")
-flags.DEFINE_integer("depth", 240, "Dense layers of width x width.")
-flags.DEFINE_integer("replicas", 8, "Logical CPU replicas.")
-flags.DEFINE_integer("steps", 3, "fit steps.")
-flags.DEFINE_integer("batch_per_replica", 8, "Examples per replica per step.")
-flags.DEFINE_list("configs", list(CONFIGS), f"Configurations, of {CONFIGS}.")
-flags.DEFINE_float("memory_limit_gb", 20.0, "RLIMIT_DATA of each child, GiB.")
-flags.DEFINE_integer("timeout", 1500, "Seconds a child may run.")
-flags.DEFINE_string("out", "docs/benchmarks/zero3_headline", "Output prefix ('' to skip).")
-flags.DEFINE_string("child", "", "Internal: the configuration to run in this process.")
 FLAGS = flags.FLAGS
+
+
+def define_flags():
+    """The tool's flags (defined when it runs, so that importing it defines none)."""
+    flags.DEFINE_integer("width", 2048, "Units of every Dense layer (and the input width).")
+    flags.DEFINE_integer("depth", 240, "Dense layers of width x width.")
+    flags.DEFINE_integer("replicas", 8, "Logical CPU replicas.")
+    flags.DEFINE_integer("steps", 3, "fit steps.")
+    flags.DEFINE_integer("batch_per_replica", 8, "Examples per replica per step.")
+    flags.DEFINE_list("configs", list(CONFIGS), f"Configurations, of {CONFIGS}.")
+    flags.DEFINE_float("memory_limit_gb", 20.0, "Memory bound of each child, GiB.")
+    flags.DEFINE_integer("timeout", 1500, "Seconds a child may run.")
+    flags.DEFINE_string("out", "docs/benchmarks/zero3_headline", "Output prefix ('' to skip).")
+    flags.DEFINE_string("child", "", "Internal: the configuration to run in this process.")
 
 
 def vm_hwm_bytes() -> int:
@@ -114,11 +122,47 @@ def _child():
         step_seconds=times, loss=history.history["loss"])), flush=True)
 
 
-def _limit(gib):
+CGROUP_ROOT = "/sys/fs/cgroup/memory"
+
+
+def make_cgroup(name, gib):
+    """A memory cgroup (v1) limited to ``gib`` GiB, or None where none can be made."""
+    path = os.path.join(CGROUP_ROOT, name)
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(int(gib * 2**30)))
+        return path
+    except OSError:
+        return None
+
+
+def _read_int(path):
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _limit(gib, cgroup):
     def apply():
-        limit = int(gib * 2**30)
-        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+        if cgroup is not None:
+            with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+        else:
+            limit = int(gib * 2**30)
+            resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     return apply
+
+
+def _cpu_seconds(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def run_config(config) -> dict:
@@ -127,25 +171,50 @@ def run_config(config) -> dict:
         f"--{name}={getattr(FLAGS, name)}" for name in
         ("width", "depth", "replicas", "steps", "batch_per_replica")]
     start = time.perf_counter()
+    cgroup = make_cgroup(f"tfdp_headline_{os.getpid()}_{config}", FLAGS.memory_limit_gb)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=_limit(FLAGS.memory_limit_gb),
+                            preexec_fn=_limit(FLAGS.memory_limit_gb, cgroup),
                             env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
-    lines = []
+    lines, stalled = [], []
+    reader = threading.Thread(target=_read_lines, args=(proc, config, lines), daemon=True)
+    reader.start()
+    last_cpu, last_change = None, time.monotonic()
+    while proc.poll() is None:
+        time.sleep(2)
+        cpu = _cpu_seconds(proc.pid)
+        if cpu != last_cpu:
+            last_cpu, last_change = cpu, time.monotonic()
+        elif cgroup is None and time.monotonic() - last_change > 60:
+            stalled.append(True)  # RLIMIT_DATA reached: an allocation failed, TF waits
+            proc.kill()
+        if time.perf_counter() - start > FLAGS.timeout:
+            proc.kill()
+    reader.join(timeout=10)
+    peak = _read_int(os.path.join(cgroup, "memory.max_usage_in_bytes")) if cgroup else None
+    if cgroup:
+        os.rmdir(cgroup)
+    text = "".join(lines)
+    for line in lines:
+        if line.startswith("RESULT "):
+            return dict(json.loads(line[len("RESULT "):]), outcome="trained", cgroup_peak=peak,
+                        seconds=time.perf_counter() - start)
+    if cgroup and proc.returncode == -9:
+        reason = (f"killed by the kernel at the {FLAGS.memory_limit_gb:g} GiB bound "
+                  "(out of memory)")
+    elif stalled or out_of_memory(text):
+        reason = "out of memory under the bound"
+    else:
+        reason = f"failed (exit {proc.returncode})"
+    tail = [ln.strip() for ln in lines if ln.strip()][-3:]
+    return dict(config=config, outcome=reason, returncode=proc.returncode, tail=tail,
+                cgroup_peak=peak, seconds=time.perf_counter() - start)
+
+
+def _read_lines(proc, config, lines):
     for line in proc.stdout:
         lines.append(line)
         if line.startswith(("built", "step", "RESULT")):
             print(f"  [{config}] {line.rstrip()}", flush=True)
-    proc.wait(timeout=FLAGS.timeout)
-    text = "".join(lines)
-    for line in lines:
-        if line.startswith("RESULT "):
-            return dict(json.loads(line[len("RESULT "):]), outcome="trained",
-                        seconds=time.perf_counter() - start)
-    reason = ("out of memory under the bound" if out_of_memory(text)
-              else f"failed (exit {proc.returncode})")
-    tail = [ln.strip() for ln in lines if ln.strip()][-3:]
-    return dict(config=config, outcome=reason, returncode=proc.returncode, tail=tail,
-                seconds=time.perf_counter() - start)
 
 
 def main(argv):
@@ -157,7 +226,7 @@ def main(argv):
         raise ValueError(f"--configs: unknown {sorted(unknown)}; use {CONFIGS}.")
     params = FLAGS.depth * (FLAGS.width ** 2 + FLAGS.width) + FLAGS.width * 10 + 10
     print(f"{params / 1e9:.3f}B parameters, {FLAGS.replicas} replicas, Adam, {FLAGS.steps} "
-          f"steps, RLIMIT_DATA {FLAGS.memory_limit_gb:g} GiB per child", flush=True)
+          f"steps, {FLAGS.memory_limit_gb:g} GiB per child", flush=True)
     results = []
     for config in FLAGS.configs:
         print(f"{LABELS[config]} ...", flush=True)
@@ -187,14 +256,17 @@ def _write(out, results, params):
                 f"--memory_limit_gb={FLAGS.memory_limit_gb:g}` ({time.strftime('%Y-%m-%d')}): "
                 f"an MLP of {FLAGS.depth} Dense layers of {FLAGS.width}, Adam, "
                 f"{FLAGS.replicas} logical CPU replicas in one process, each child process "
-                f"capped at RLIMIT_DATA {FLAGS.memory_limit_gb:g} GiB.\n\n")
-        f.write("| configuration | outcome | peak resident (VmHWM) | step time (median after the first) | first step |\n")
-        f.write("|---|---|---|---|---|\n")
+                f"held to {FLAGS.memory_limit_gb:g} GiB by a memory cgroup of its own "
+                "(the kernel kills a child that goes over).\n\n")
+        f.write("| configuration | outcome | peak resident (VmHWM) | cgroup peak | step time (median after the first) | first step |\n")
+        f.write("|---|---|---|---|---|---|\n")
         for r in results:
             steps = r.get("step_seconds") or []
             later = steps[1:] or steps
             f.write(f"| {LABELS[r['config']]} | {r['outcome']} | "
                     + (f"{r['vm_hwm'] / 2**30:.1f} GiB" if "vm_hwm" in r else "-") + " | "
+                    + (f"{r['cgroup_peak'] / 2**30:.1f} GiB" if r.get("cgroup_peak") else "-")
+                    + " | "
                     + (f"{sorted(later)[len(later) // 2]:.1f} s" if steps else "-") + " | "
                     + (f"{steps[0]:.1f} s" if steps else "-") + " |\n")
         for r in results:
@@ -205,4 +277,5 @@ def _write(out, results, params):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
