@@ -29,6 +29,11 @@ Environment variables the launcher sets for each worker
                                them (TF_CONFIG is the cluster).
 
 Environment variables the user may set
+    ``TFDP_ELASTIC_DIR``       where ``hvd.elastic`` commits (rank 0 writes and, at a relaunch,
+                               reads; on several hosts a directory every host reaches). Default:
+                               under tfdp-run on one machine, the job's own directory (removed
+                               when the job ends); else a private temporary directory
+                               (tfdp.horovod.elastic).
     ``TFDP_ORDERLY_EXIT``      ``0`` turns off the workers' exit barrier (tfdp.strategy.lifecycle).
     ``TFDP_PORT_BASE``         the first of the ports workers listen on when tfdp builds the
                                cluster itself (Slurm, SageMaker's ``SM_HOSTS``; tfdp.cluster.slurm).
@@ -74,7 +79,7 @@ __all__ = [
     "READY_FILE_ENV", "RANK_ENV", "SLOT_ENV", "ATTEMPT_ENV", "CONTROL_DIR_ENV",
     "MIN_WORKERS_ENV", "RESTARTS_LEFT_ENV", "GRACE_ENV", "CPU_REPLICAS_ENV", "ORDERLY_EXIT_ENV",
     "EVICT_FILE", "progress_file", "DEFAULT_GRACE_SECONDS", "PORT_BASE_ENV",
-    "EVICT_EXIT_CODE_ENV", "PREEMPTION_SIGNALS_ENV", "restart_requested_exit_code",
+    "EVICT_EXIT_CODE_ENV", "PREEMPTION_SIGNALS_ENV", "ELASTIC_DIR_ENV", "restart_requested_exit_code",
     "EXIT_RESTART_REQUESTED", "EXIT_TIMEOUT", "EXIT_NEVER_JOINED", "EXIT_CANNOT_START",
     "EXIT_INTERRUPTED", "EXIT_PREEMPTED", "EXIT_TERMINATED", "EXIT_HOST_UNREACHABLE",
     "exit_code_of", "describe_exit",
@@ -93,6 +98,7 @@ ORDERLY_EXIT_ENV = "TFDP_ORDERLY_EXIT"
 PORT_BASE_ENV = "TFDP_PORT_BASE"
 EVICT_EXIT_CODE_ENV = "TFDP_EVICT_EXIT_CODE"
 PREEMPTION_SIGNALS_ENV = "TFDP_PREEMPTION_SIGNALS"
+ELASTIC_DIR_ENV = "TFDP_ELASTIC_DIR"
 
 EVICT_FILE = "evict.json"
 

@@ -7,6 +7,7 @@ with its import changed and ``horovodrun -np N -H a:4,b:4`` replaced by
 One module per idea: ``_runtime`` (``init`` and the ranks; the collective engine, built at
 the first collective), ``collectives`` (tensor and object collectives), ``optimizer``
 (``DistributedOptimizer``, ``DistributedGradientTape``), ``callbacks`` (the Keras callbacks),
+``elastic`` (``hvd.elastic``: commits and ``@run`` on tfdp-run's restarts),
 ``_missing`` (what is not implemented, and the tfdp way); ``tfdp.horovod.keras`` is
 ``horovod.tensorflow.keras``.
 """
@@ -28,6 +29,7 @@ from tfdp.horovod.collectives import (Adasum, Average, Compression, Max, Min, Pr
                                       local_size_op, process_set_included_op, rank_op,
                                       reducescatter, size_op)
 from tfdp.horovod.optimizer import DistributedGradientTape, DistributedOptimizer
+from tfdp.horovod import elastic  # noqa: E402 (hvd.elastic)
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
@@ -42,7 +44,7 @@ __all__ = [
     "DistributedOptimizer", "DistributedGradientTape",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "start_timeline", "stop_timeline", "broadcast_global_variables",
-    "BroadcastGlobalVariablesHook",
+    "BroadcastGlobalVariablesHook", "elastic",
 ]
 
 

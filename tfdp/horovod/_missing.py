@@ -2,7 +2,7 @@
 
 Rule: a Horovod name tfdp does not implement is never silently wrong. A function is
 defined and raises ``NotImplementedError`` naming the alternative when called; a module or
-class (``elastic``, ``SyncBatchNormalization``) is reached through the package's
+class (``SyncBatchNormalization``) is reached through the package's
 ``__getattr__``, which raises ``AttributeError`` with the same explanation.
 """
 
@@ -15,10 +15,6 @@ __all__ = ["UNAVAILABLE", "missing_attribute", "ProcessSet", "global_process_set
            "broadcast_global_variables", "BroadcastGlobalVariablesHook"]
 
 UNAVAILABLE = {
-    "elastic": "Horovod Elastic is not implemented; tfdp-run restarts a failed job with "
-               "--max-restarts R and continues on fewer hosts with --min-workers M, and "
-               "tfdp.callbacks.BackupAndRestore resumes it at the step it reached "
-               "(docs/horovod.md).",
     "SyncBatchNormalization": "use keras.layers.BatchNormalization(synchronized=True) in a "
                               "model built in tfdp.DataParallelStrategy().scope().",
     "PartialDistributedGradientTape": "not implemented; reduce the shared gradients with "

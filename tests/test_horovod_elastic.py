@@ -1,0 +1,125 @@
+"""``hvd.elastic`` on tfdp's restart-based elasticity (issue 42, item 1).
+
+Real jobs (slow, bounded): an elastic Keras script of Horovod's shape
+(tests/workers/hvd_elastic.py, only the import changed) under ``tfdp-run -np 2 --min-np 1
+--reset-limit R``; rank 1 SIGKILLs itself mid-epoch in attempt 0. The relaunched attempt
+resumes from rank 0's last commit on every rank (reset callbacks run, the LR rescaled to the new
+``hvd.size()``), trains exactly the batches after the commit (none lost, none repeated), and
+ends with the optimizer's iteration count of an uninterrupted run (and equal weights on every
+rank). Twice: the killed slot comes back (2 processes again), or it fails at its restart and
+is dropped (the job finishes on 1 process)."""
+
+import json
+import sys
+
+import pytest
+
+from launching import run_job, worker_env, worker_script
+
+LAUNCH_TIMEOUT = 400
+EPOCHS, STEPS = 3, 6
+
+
+def events(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+@pytest.mark.parametrize("comes_back", [True, False], ids=["slot-returns", "slot-dropped"])
+def test_a_killed_worker_resumes_from_the_last_commit(tmp_path, comes_back):
+    extra = {} if comes_back else {"FAIL_AT_START": "1"}
+    environ = worker_env(TFDP_TEST_OUT=tmp_path, TF_CPP_MIN_LOG_LEVEL=2, KILL_AT="[1, 3]",
+                         **extra)
+    resets = "1" if comes_back else "2"
+    cmd = [sys.executable, "-m", "tfdp.run", "-np", "2", "--min-np", "1", "--reset-limit",
+           resets, "--output", "all", "--", sys.executable, worker_script("hvd_elastic.py")]
+    code, out = run_job(cmd, environ, LAUNCH_TIMEOUT)
+    assert code == 0, out[-6000:]
+    last_attempt, size = (1, 2) if comes_back else (2, 1)
+    seen = events(tmp_path / "events.jsonl")
+    first = [e for e in seen if e["attempt"] == 0 and e["event"] == "batch"]
+    last = [e for e in seen if e["attempt"] == last_attempt]
+    assert first and last, out[-4000:]
+    assert [e for e in seen if e["event"] in ("reset", "end")] == \
+        [e for e in last if e["event"] in ("reset", "end")]
+    assert all(e["size"] == size for e in last)
+    trained_before = [(e["epoch"], e["batch"]) for e in first]
+    # rank 1 died at its end of epoch 1's third batch: rank 0 got no further than one more
+    assert (1, 2) <= trained_before[-1] <= (1, 4), trained_before
+    resets = [e for e in last if e["event"] == "reset"]
+    assert sorted(e["rank"] for e in resets) == list(range(size)), last
+    reset = resets[0]
+    # the commit is consistent: the optimizer's step count is the position it recorded
+    assert reset["iterations"] == reset["epoch"] * STEPS + reset["batch"], reset
+    assert reset["lr"] == pytest.approx(0.01 * size)  # the reset callback: LR x hvd.size()
+    assert all((r["iterations"], r["epoch"], r["batch"]) ==
+               (reset["iterations"], reset["epoch"], reset["batch"]) for r in resets)
+    committed = (reset["epoch"], reset["batch"])
+    assert committed in trained_before[-3:], (committed, trained_before)
+    # the last attempt trains exactly the batches after the commit, each once, then ends
+    after = [(e["epoch"], e["batch"], e["iterations"]) for e in last if e["event"] == "batch"]
+    expected, (ep, b), it = [], committed, reset["iterations"]
+    while (ep, b) != (EPOCHS - 1, STEPS):
+        if b == STEPS:
+            ep, b = ep + 1, 0
+        b, it = b + 1, it + 1
+        expected.append((ep, b, it))
+    assert after == expected, (after, expected)
+    ends = [e for e in last if e["event"] == "end"]
+    assert len(ends) == size
+    for e in ends:
+        assert (e["epoch"], e["batch"], e["iterations"]) == (EPOCHS, 0, EPOCHS * STEPS), e
+    assert all(e["weights"] == pytest.approx(ends[0]["weights"], rel=1e-6) for e in ends)
+
+
+# --- one process (quick) ----------------------------------------------------------------------
+
+def test_commit_dir_is_the_variable_else_the_jobs_directory_else_private(tmp_path):
+    from tfdp.horovod import elastic
+    assert elastic.commit_dir({"TFDP_ELASTIC_DIR": str(tmp_path / "e")}) == str(tmp_path / "e")
+    job = tmp_path / "tfdp-run-abc"
+    control = job / "attempt-1-xyz"
+    control.mkdir(parents=True)
+    assert elastic.commit_dir({"TFDP_CONTROL_DIR": str(control)}) == str(job / "elastic")
+    private = elastic.commit_dir({"TFDP_CONTROL_DIR": "/tmp/attempt-0-private"})
+    assert "tfdp-elastic-" in private and private == elastic.commit_dir({})
+
+
+def test_a_commit_is_durable_and_resumes_variables_and_attributes(tmp_path, monkeypatch):
+    import keras
+    from tfdp.horovod import elastic
+    monkeypatch.setenv("TFDP_ELASTIC_DIR", str(tmp_path))
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    state = elastic.KerasState(model, epoch=4, batch=2)
+    extra = elastic.ObjectState(step=7)
+    state.commit()
+    extra.commit()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{state._key}.pkl",
+                                                          f"{extra._key}.pkl"]
+    weights = [w.copy() for w in model.get_weights()]
+    model.optimizer.iterations.assign(5)
+    state.epoch = 9
+    state.restore()  # the in-memory commit
+    assert state.epoch == 4 and int(model.optimizer.iterations.numpy()) == 0
+    # a relaunch: a fresh model (unbuilt optimizer) and state with the same key
+    fresh = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    fresh.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
+    again = elastic.KerasState(fresh, epoch=0, batch=0)
+    again._key = state._key
+    assert again._resume()
+    assert (again.epoch, again.batch) == (4, 2) and fresh.optimizer.built
+    for a, b in zip(fresh.get_weights(), weights):
+        assert (a == b).all()
+    other = elastic.ObjectState(step=0)
+    other._key = extra._key
+    assert other._resume() and other.step == 7
+    with pytest.raises(ValueError, match="same model"):
+        bigger = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)])
+        wrong = elastic.TensorFlowState(bigger.variables[:1], epoch=0)
+        wrong._key = state._key
+        wrong._resume()
+    assert issubclass(elastic.HostsUpdatedInterrupt, RuntimeError)
+    assert elastic.HostsUpdatedInterrupt(skip_sync=True).skip_sync
