@@ -123,3 +123,61 @@ def test_a_commit_is_durable_and_resumes_variables_and_attributes(tmp_path, monk
         wrong._resume()
     assert issubclass(elastic.HostsUpdatedInterrupt, RuntimeError)
     assert elastic.HostsUpdatedInterrupt(skip_sync=True).skip_sync
+
+
+def test_run_resumes_a_partial_epoch_with_only_its_remaining_batches(tmp_path, monkeypatch):
+    """One process, Horovod's Keras callbacks: a commit at epoch 1, batch 4 of 6; a relaunch
+    (a fresh state with the commit's key) trains 2 batches, then epoch 2 whole, committing as
+    it goes; the reset callback ran once; the function was re-entered once."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from tfdp.horovod import elastic
+    monkeypatch.setenv("TFDP_ELASTIC_DIR", str(tmp_path))
+
+    def build():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        return model
+
+    data = tf.data.Dataset.from_tensor_slices((np.ones((8, 3), "float32"),
+                                               np.ones((8, 1), "float32"))).repeat().batch(4)
+    before = build()
+    before.optimizer.build(before.trainable_variables)
+    before.optimizer.iterations.assign(10)
+    first = elastic.KerasState(before, epoch=1, batch=4)
+    first.commit()
+
+    model = build()
+    state = elastic.KerasState(model, epoch=0, batch=0)
+    state._key = first._key
+    resets, calls, seen = [], [], []
+    state.register_reset_callbacks([lambda: resets.append((state.epoch, state.batch))])
+
+    class Seen(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append((state.epoch, state.batch))
+
+    callbacks = [elastic.UpdateEpochStateCallback(state), elastic.UpdateBatchStateCallback(state),
+                 elastic.CommitStateCallback(state), Seen()]
+
+    @elastic.run
+    def train(state):
+        calls.append(state.epoch)
+        state.model.fit(data, steps_per_epoch=6, epochs=3 - state.epoch, callbacks=callbacks,
+                        verbose=0)
+
+    import tfdp.horovod as hvd
+    hvd.init()
+    try:
+        train(state)
+    finally:
+        hvd.shutdown()
+    assert resets == [(1, 4)] and calls == [1, 2]
+    assert seen == [(1, 5), (1, 6)] + [(2, b) for b in range(1, 7)]
+    assert (state.epoch, state.batch) == (3, 0)
+    assert int(model.optimizer.iterations.numpy()) == 18
+    import pickle
+    with open(tmp_path / f"{state._key}.pkl", "rb") as f:
+        last = pickle.load(f)
+    assert last["attrs"] == {"epoch": 3, "batch": 0}  # committed at the end of the fit
