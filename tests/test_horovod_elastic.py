@@ -6,12 +6,14 @@ Real jobs (slow, bounded): an elastic Keras script of Horovod's shape
 resumes from rank 0's last commit on every rank (reset callbacks run, the LR rescaled to the new
 ``hvd.size()``), trains exactly the batches after the commit (none lost, none repeated), and
 ends with the optimizer's iteration count of an uninterrupted run (and equal weights on every
-rank). Twice: the killed slot comes back (2 processes again), or it fails at its restart and
-is dropped (the job finishes on 1 process)."""
+rank). Twice: the killed slot comes back (2 processes again: the weights equal, to 1e-6, an
+uninterrupted job's), or it fails at its restart and is dropped (the job finishes on 1
+process)."""
 
 import json
 import sys
 
+import numpy as np
 import pytest
 
 from launching import run_job, worker_env, worker_script
@@ -71,6 +73,17 @@ def test_a_killed_worker_resumes_from_the_last_commit(tmp_path, comes_back):
     for e in ends:
         assert (e["epoch"], e["batch"], e["iterations"]) == (EPOCHS, 0, EPOCHS * STEPS), e
     assert all(e["weights"] == pytest.approx(ends[0]["weights"], rel=1e-6) for e in ends)
+    if comes_back:  # the same computation as an uninterrupted run: weights equal to 1e-6
+        plain = tmp_path / "uninterrupted"
+        plain.mkdir()
+        code, out = run_job(cmd, worker_env(TFDP_TEST_OUT=plain, TF_CPP_MIN_LOG_LEVEL=2),
+                            LAUNCH_TIMEOUT)
+        assert code == 0, out[-6000:]
+        assert {e["attempt"] for e in events(plain / "events.jsonl")} == {0}
+        got, want = np.load(tmp_path / "weights.npz"), np.load(plain / "weights.npz")
+        assert len(got.files) == len(want.files) == 4
+        for name in want.files:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-6)
 
 
 # --- one process (quick) ----------------------------------------------------------------------
