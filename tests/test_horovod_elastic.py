@@ -194,3 +194,22 @@ def test_run_resumes_a_partial_epoch_with_only_its_remaining_batches(tmp_path, m
     with open(tmp_path / f"{state._key}.pkl", "rb") as f:
         last = pickle.load(f)
     assert last["attrs"] == {"epoch": 3, "batch": 0}  # committed at the end of the fit
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_the_elastic_synthetic_benchmark_runs_under_tfdp_run():
+    """examples/horovod_elastic_synthetic_benchmark.py (Horovod's elastic benchmark with its
+    import changed: TensorFlowKerasState, commits in a custom loop) to its final img/s line."""
+    import os
+    import re
+
+    from launching import ROOT
+    cmd = [sys.executable, "-m", "tfdp.run", "-np", "2", "--min-np", "1", "--reset-limit", "1",
+           "--", sys.executable,
+           os.path.join(ROOT, "examples", "horovod_elastic_synthetic_benchmark.py"),
+           "--num_iters", "2", "--num_batches_per_iter", "2"]
+    code, out = run_job(cmd, worker_env(TF_CPP_MIN_LOG_LEVEL=2), LAUNCH_TIMEOUT)
+    assert code == 0, out[-4000:]
+    assert len(re.findall(r"Iter #\d: [\d.]+ img/sec per process", out)) == 2, out[-4000:]
+    assert re.search(r"Total img/sec on 2 process\(es\): [\d.]+", out), out[-4000:]
