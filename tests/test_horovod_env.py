@@ -1,9 +1,9 @@
 """horovodrun's environment under tfdp-run (issue 42, item 2): every worker gets
 ``HOROVOD_RANK``/``SIZE``/``LOCAL_RANK``/``LOCAL_SIZE``/``CROSS_RANK``/``CROSS_SIZE`` and Open
 MPI's ``OMPI_COMM_WORLD_*``, from the rule ``hvd.local_rank()`` etc. answer with
-(tfdp.cluster.placement). Pure: the variables of every rank of a few layouts. One real
-``tfdp-run -np 2`` job: a script reads them before importing tfdp and they equal what
-``hvd.init()`` then reports."""
+(tfdp.cluster.placement). Pure: the variables of every rank of a few layouts. Real
+``tfdp-run -np 2`` jobs, on this machine and on two loopback ssh "hosts": a script reads them
+before importing tfdp and they equal what ``hvd.init()`` then reports."""
 
 import json
 import sys
@@ -13,6 +13,7 @@ import pytest
 from launching import run_job, worker_env, worker_script
 from tfdp.cluster.placement import horovod_environment, placement_of
 from tfdp.launcher import processes
+from test_hosts import sshd  # noqa: F401  (the fixture: a loopback sshd, two "hosts")
 
 LAUNCH_TIMEOUT = 180
 
@@ -55,19 +56,25 @@ def test_every_worker_of_an_attempt_gets_them_and_remote_ones_too(tmp_path):
     assert attempt.envs[2]["HOROVOD_CROSS_RANK"] == "1"
 
 
+@pytest.mark.parametrize("where", ["local", "ssh"])
 @pytest.mark.slow
 @pytest.mark.multiworker
-def test_a_script_reads_them_before_importing_tfdp(tmp_path):
-    environ = worker_env(TFDP_TEST_OUT=tmp_path, TF_CPP_MIN_LOG_LEVEL=2)
-    cmd = [sys.executable, "-m", "tfdp.run", "-np", "2", "--output", "all", "--",
-           sys.executable, worker_script("hvd_env.py")]
-    code, out = run_job(cmd, environ, LAUNCH_TIMEOUT)
-    assert code == 0, out[-4000:]
+def test_a_script_reads_them_before_importing_tfdp(tmp_path, where, request):
+    if where == "ssh":  # two loopback "hosts" (tests/test_hosts.py's sshd), one process each
+        from test_horovod import launch_over_ssh
+        launch_over_ssh(tmp_path, request.getfixturevalue("sshd"), "hvd_env.py")
+    else:
+        environ = worker_env(TFDP_TEST_OUT=tmp_path, TF_CPP_MIN_LOG_LEVEL=2)
+        cmd = [sys.executable, "-m", "tfdp.run", "-np", "2", "--output", "all", "--",
+               sys.executable, worker_script("hvd_env.py")]
+        code, out = run_job(cmd, environ, LAUNCH_TIMEOUT)
+        assert code == 0, out[-4000:]
     for rank in range(2):
         seen = json.loads((tmp_path / f"env-{rank}.json").read_text())
         env, hvd = seen["env"], seen["hvd"]
         for name in ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size"):
             assert env[f"HOROVOD_{name.upper()}"] == str(hvd[name]), (name, seen)
         assert env["OMPI_COMM_WORLD_LOCAL_RANK"] == str(hvd["local_rank"])
-        assert (hvd["rank"], hvd["size"], hvd["local_rank"], hvd["local_size"]) == (
-            rank, 2, rank, 2)
+        expected = (rank, 2, rank, 2, 0, 1) if where == "local" else (rank, 2, 0, 1, rank, 2)
+        assert (hvd["rank"], hvd["size"], hvd["local_rank"], hvd["local_size"],
+                hvd["cross_rank"], hvd["cross_size"]) == expected
