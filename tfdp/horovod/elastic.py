@@ -85,6 +85,11 @@ def commit_dir(environ=None) -> str:
         else:
             if _private_dir is None:
                 _private_dir = tempfile.mkdtemp(prefix="tfdp-elastic-")
+                if control:  # a tfdp-run worker on another host: no resume after a restart
+                    log.warning("hvd.elastic: commits go to %s, private to this process: a "
+                                "restarted job will not resume from them. Set %s to a "
+                                "directory rank 0 reaches in every attempt (shared storage "
+                                "on several hosts).", _private_dir, ELASTIC_DIR_ENV)
             path = _private_dir
     os.makedirs(path, exist_ok=True)
     return path
