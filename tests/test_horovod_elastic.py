@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from launching import run_job, worker_env, worker_script
+from test_hosts import sshd  # noqa: F401  (the fixture: a loopback sshd, two "hosts")
 
 LAUNCH_TIMEOUT = 400
 EPOCHS, STEPS = 3, 6
@@ -28,14 +29,22 @@ def events(path):
 
 @pytest.mark.slow
 @pytest.mark.multiworker
-@pytest.mark.parametrize("comes_back", [True, False], ids=["slot-returns", "slot-dropped"])
-def test_a_killed_worker_resumes_from_the_last_commit(tmp_path, comes_back):
+@pytest.mark.parametrize("case", ["slot-returns", "slot-dropped", "ssh"])
+def test_a_killed_worker_resumes_from_the_last_commit(tmp_path, case, request):
+    comes_back = case != "slot-dropped"
     extra = {} if comes_back else {"FAIL_AT_START": "1"}
+    hosts = []
+    if case == "ssh":  # two loopback "hosts" (tests/test_hosts.py's sshd); a shared commit dir
+        from test_hosts import ADDRESSES
+        hosts = ["-H", "tfdp-a:1,tfdp-b:1", "--ssh-config", request.getfixturevalue("sshd"),
+                 *ADDRESSES, "-x", "KILL_AT"]
+        extra.update(TFDP_ELASTIC_DIR=tmp_path / "elastic", TMPDIR=tmp_path)
     environ = worker_env(TFDP_TEST_OUT=tmp_path, TF_CPP_MIN_LOG_LEVEL=2, KILL_AT="[1, 3]",
                          **extra)
     resets = "1" if comes_back else "2"
     cmd = [sys.executable, "-m", "tfdp.run", "-np", "2", "--min-np", "1", "--reset-limit",
-           resets, "--output", "all", "--", sys.executable, worker_script("hvd_elastic.py")]
+           resets, *hosts, "--output", "all", "--", sys.executable,
+           worker_script("hvd_elastic.py")]
     code, out = run_job(cmd, environ, LAUNCH_TIMEOUT)
     assert code == 0, out[-6000:]
     last_attempt, size = (1, 2) if comes_back else (2, 1)
@@ -73,7 +82,9 @@ def test_a_killed_worker_resumes_from_the_last_commit(tmp_path, comes_back):
     for e in ends:
         assert (e["epoch"], e["batch"], e["iterations"]) == (EPOCHS, 0, EPOCHS * STEPS), e
     assert all(e["weights"] == pytest.approx(ends[0]["weights"], rel=1e-6) for e in ends)
-    if comes_back:  # the same computation as an uninterrupted run: weights equal to 1e-6
+    if case == "ssh":
+        assert [p.name for p in (tmp_path / "elastic").iterdir()] == ["state-0.pkl"]
+    if case == "slot-returns":  # the same computation as an uninterrupted run: weights equal to 1e-6
         plain = tmp_path / "uninterrupted"
         plain.mkdir()
         code, out = run_job(cmd, worker_env(TFDP_TEST_OUT=plain, TF_CPP_MIN_LOG_LEVEL=2),
