@@ -8,7 +8,7 @@ resumes from rank 0's last commit on every rank (reset callbacks run, the LR res
 ends with the optimizer's iteration count of an uninterrupted run (and equal weights on every
 rank). Twice: the killed slot comes back (2 processes again: the weights equal, to 1e-6, an
 uninterrupted job's), or it fails at its restart and is dropped (the job finishes on 1
-process)."""
+process), and over ssh (two loopback hosts, ``TFDP_ELASTIC_DIR`` shared)."""
 
 import json
 import sys
