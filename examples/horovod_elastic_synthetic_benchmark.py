@@ -1,7 +1,8 @@
 """Horovod's elastic synthetic benchmark, in the style of its
 tensorflow2_synthetic_benchmark_elastic.py, on tfdp.
 
-    tfdp-run -np 2 --min-np 1 --reset-limit 2 -- python examples/horovod_elastic_synthetic_benchmark.py
+    tfdp-run -np 2 --min-np 1 --reset-limit 2 -- \
+        python examples/horovod_elastic_synthetic_benchmark.py
 
 The elastic form of examples/horovod_synthetic_benchmark.py, with one line changed (``import
 horovod.tensorflow as hvd`` becomes ``import tfdp.horovod as hvd``): the model and optimizer

@@ -84,7 +84,7 @@ def test_a_killed_worker_resumes_from_the_last_commit(tmp_path, case, request):
     assert all(e["weights"] == pytest.approx(ends[0]["weights"], rel=1e-6) for e in ends)
     if case == "ssh":
         assert [p.name for p in (tmp_path / "elastic").iterdir()] == ["state-0.pkl"]
-    if case == "slot-returns":  # the same computation as an uninterrupted run: weights equal to 1e-6
+    if case == "slot-returns":  # the same computation as an uninterrupted run: 1e-6
         plain = tmp_path / "uninterrupted"
         plain.mkdir()
         code, out = run_job(cmd, worker_env(TFDP_TEST_OUT=plain, TF_CPP_MIN_LOG_LEVEL=2),
