@@ -152,6 +152,14 @@ class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
         with deadline.variable_broadcast(self._container_strategy(), kwargs.get("name"), first):
             return super()._create_variable(next_creator, **kwargs)
 
+    def _replica_ctx_update(self, var, fn, args, kwargs, group):
+        # shard_parameters=True: a replica updates its slices one variable at a time, so the
+        # optimizer's temporaries exist for one slice at a time (sharded_parameters.py).
+        if self._tfdp_shard_min_elements is None or not sharded_parameters.is_sharded(var):
+            return super()._replica_ctx_update(var, fn, args, kwargs, group)
+        with sharded_parameters.one_update_at_a_time():
+            return super()._replica_ctx_update(var, fn, args, kwargs, group)
+
     def _reduce_to(self, reduce_op, value, destinations, options):
         # strategy.reduce / extended.reduce_to: dtypes the collectives cannot sum on these
         # devices (int32 labels on GPUs, bool flags) travel in one they can.
