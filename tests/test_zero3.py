@@ -123,6 +123,45 @@ def test_models_users_bring_train_like_one_device(model_name):
         assert stats and not any(sharded_parameters.is_sharded(v) for v in stats)
 
 
+def test_dropout_and_a_custom_loop_with_sharded_parameters_equal_one_device():
+    """The idioms users have: Dropout between sharded layers (each replica draws what one
+    device draws for its rows), and a custom loop through strategy.run with a tape."""
+    def model_fn():
+        return keras.Sequential([keras.Input((8,)), keras.layers.Dense(40, activation="relu"),
+                                 keras.layers.Dropout(0.3), keras.layers.Dense(30),
+                                 keras.layers.Dropout(0.2), keras.layers.Dense(3)])
+    data = classification_data()
+    w0 = initial_weights(model_fn)
+    keras.utils.set_random_seed(7)
+    ref = train(None, model_fn, OPTIMIZERS["adam_global_clipnorm"], data, w0)
+    keras.utils.set_random_seed(7)
+    model = train(zero3(), model_fn, OPTIMIZERS["adam_global_clipnorm"], data, w0)
+    assert sharded_count(model) == 6
+    assert_weights_close(model.get_weights(), ref.get_weights(), atol=1e-6, rtol=1e-5)
+
+    # The custom loop of examples/custom_loop.py (strategy.run, a tape, optimizer.apply).
+    import custom_loop
+
+    def loop(strategy):
+        source = tf.data.Dataset.from_tensor_slices(data)
+        if strategy is None:
+            strategy, batches = tf.distribute.get_strategy(), source.batch(GLOBAL_BATCH)
+        else:
+            batches = tfdp.data.distribute(strategy, source, GLOBAL_BATCH)
+        with strategy.scope():
+            net = dense_stack()
+            net.set_weights(initial_weights(dense_stack))
+            opt = keras.optimizers.Adam(0.05, global_clipnorm=0.5)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+        custom_loop.train(strategy, net, opt, loss_fn, batches, len(data[0]) // GLOBAL_BATCH, 2,
+                          GLOBAL_BATCH, report=lambda line: None)
+        return net
+
+    net = loop(zero3())
+    assert sharded_count(net) == 6
+    assert_weights_close(net.get_weights(), loop(None).get_weights(), atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_jit_compile_true_with_sharded_parameters_equals_one_device():
     data = classification_data()
