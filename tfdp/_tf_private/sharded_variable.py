@@ -227,9 +227,6 @@ def broadcast_initial_value(extended, device, **kwargs):
 
 def is_sharded_variable(variable) -> bool:
     """True for a ShardedVariable, a Keras variable over one, or one of its components."""
-    value = getattr(variable, "value", None)
-    if isinstance(variable, ShardedVariable) or isinstance(value, ShardedVariable):
-        return True
     return sharded_container(variable) is not None
 
 

@@ -130,16 +130,14 @@ def _call_as_unit(layer, original, args, kwargs):
     # The unit's sharded parameters enter its custom gradient as inputs (this replica's
     # slices, read here): their gradients are then ordinary input gradients.
     replica = _tf_private.current_replica_id()
-    specs = []
+    containers = []  # each once, also when a layer lists a shared variable twice
     for variable in layer.trainable_variables:
         container = _tf_private.sharded_container(variable)
-        if container is not None and container.tfdp_spec not in specs:
-            specs.append(container.tfdp_spec)
-    containers = {id(s): c for c in (_tf_private.sharded_container(v)
-                                     for v in layer.trainable_variables) if c is not None
-                  for s in [c.tfdp_spec]}
+        if container is not None and all(container is not c for c in containers):
+            containers.append(container)
+    specs = [c.tfdp_spec for c in containers]
     with tf.control_dependencies([] if after is None else [after]):
-        slices = [containers[id(spec)].components[replica].value() for spec in specs]
+        slices = [c.components[replica].value() for c in containers]
     inputs = [flat[i] for i in positions]
     built = {}
 
