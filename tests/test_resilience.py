@@ -256,6 +256,57 @@ def test_guard_timing_only_the_compute_window_misses_a_host_straggler():
     assert find_stragglers([waiting.compute, stopped.compute, waiting.compute]) == [1]
 
 
+def test_a_process_stopped_inside_a_collective_is_the_straggler_through_its_stall():
+    # What a CI run found: SIGSTOP landing while the stopped worker is already inside its
+    # all-reduce grows its wait as much as the others', so its own time looks healthy.
+    from tfdp.resilience.stragglers import split_step, stall_interval
+
+    # 2 ms of work, then a collective 2-34 ms: the stopped worker did not run 3-33 ms.
+    stall = stall_interval(0.002, 0.033, tick=0.001, slack=0.002)
+    assert stall == pytest.approx((0.003, 0.033))
+    stopped = split_step(0.0, 0.0, 0.001, 0.034, 0.035, [(0.002, 0.034)], [stall])
+    waiting = split_step(0.0, 0.0, 0.001, 0.034, 0.035, [(0.002, 0.034)])
+    assert stopped.wait == pytest.approx(2.0) and stopped.compute == pytest.approx(33.0)
+    assert find_stragglers([waiting.compute, stopped.compute, waiting.compute]) == [1]
+    # Guard: without the stall the stopped worker is indistinguishable from the others.
+    blind = split_step(0.0, 0.0, 0.001, 0.034, 0.035, [(0.002, 0.034)])
+    assert find_stragglers([waiting.compute, blind.compute, waiting.compute]) == []
+    # A stall outside any wait is own time already: counted once, not twice.
+    between = split_step(0.0, 0.010, 0.011, 0.012, 0.013, [], [(0.001, 0.009)])
+    assert between.compute == pytest.approx(13.0) and between.host == pytest.approx(11.0)
+    assert stall_interval(0.0, 0.0025, tick=0.001, slack=0.002) is None  # scheduling noise
+
+
+def test_stall_meter_reports_late_wake_ups_and_ends_with_its_owner():
+    import threading
+
+    from tfdp.resilience.stragglers import StallMeter
+
+    # A clock that says the thread woke 0.01 s, then 0.30 s (a stop), then 0.01 s later.
+    times = iter([0.0, 0.01, 0.31, 0.32] + [0.32 + 0.01 * i for i in range(1, 10**6)])
+    stalls, seen = [], threading.Event()
+
+    def report(begin, end):
+        stalls.append((begin, end))
+        seen.set()
+
+    meter = StallMeter(report, tick=0.01, slack=0.02, clock=lambda: next(times))
+    meter.start()
+    assert seen.wait(10), "no stall reported"
+    meter.stop()
+    assert not meter.running()
+    assert stalls == [pytest.approx((0.02, 0.31))]
+    # The owner stopped listening without stopping it (a fit that raised): it ends itself.
+    alive = threading.Event()
+    alive.set()
+    orphan = StallMeter(lambda *_: None, alive=alive.is_set, tick=0.001)
+    orphan.start()
+    thread = orphan._thread
+    alive.clear()
+    thread.join(10)
+    assert not thread.is_alive()
+
+
 def test_step_timer_windows_of_steps_from_graph_and_host_marks():
     from tfdp.resilience.stragglers import StepTimer
 

@@ -19,6 +19,12 @@ Rules:
 * **Judgement** (``find_stragglers``). Window means are summed across workers with one
   all-reduce per window; a worker whose own time is ``threshold`` times the median of the
   *others* (and more than ``min_excess_ms`` above it) is slow in that window.
+* **Stalls** (``stall_interval``). A process that is not running (stopped, swapped out,
+  starved of CPU) may be stopped inside a collective: its wait interval then grows by as
+  much as the others', and the interval bounds alone would hide it. While the timer listens,
+  a thread sleeps ``tick`` at a time; a wake-up more than ``slack`` late marks the time the
+  process did not run. That time is the worker's own even inside a collective (the others
+  waited for it there), so it is taken out of the waits.
 
 On GPUs the timestamps mark when the ops around a collective are scheduled, not when the
 device finishes them (not measured here: no GPU).
@@ -34,7 +40,8 @@ from typing import Sequence
 
 from tfdp.strategy import timing
 
-__all__ = ["find_stragglers", "StepSplit", "split_step", "StepTimer", "SPLIT_FIELDS"]
+__all__ = ["find_stragglers", "StepSplit", "split_step", "stall_interval", "StallMeter",
+           "StepTimer", "SPLIT_FIELDS"]
 
 # Per step and worker, in this order in the gathered vector and the history.
 SPLIT_FIELDS = ("compute", "step", "input", "host", "wait")
@@ -63,6 +70,22 @@ def find_stragglers(compute_ms: Sequence[float], threshold: float = 1.5,
         if mine > threshold * reference and mine - reference > min_excess_ms:
             slow.append(rank)
     return slow
+
+
+def stall_interval(asleep: float, awake: float, tick: float, slack: float):
+    """The time a process did not run, seen by a thread that slept ``tick`` from ``asleep``
+    and woke at ``awake``: ``(asleep + tick, awake)`` when it woke more than ``slack`` late,
+    else None (scheduling noise).
+
+    Example:
+        >>> stall_interval(0.0, 0.160, tick=0.01, slack=0.02)  # stopped for 150 ms
+        (0.01, 0.16)
+        >>> stall_interval(0.0, 0.015, tick=0.01, slack=0.02) is None
+        True
+    """
+    if awake - asleep > tick + slack:
+        return (asleep + tick, awake)
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +119,25 @@ def _covered(merged, lo: float, hi: float) -> float:
     return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in merged)
 
 
+def _subtract(merged, holes) -> list[tuple[float, float]]:
+    """Sorted disjoint ``merged`` minus sorted disjoint ``holes``."""
+    out = []
+    for a, b in merged:
+        for h0, h1 in holes:
+            if h1 <= a or h0 >= b:
+                continue
+            if h0 > a:
+                out.append((a, h0))
+            a = max(a, h1)
+            if a >= b:
+                break
+        if a < b:
+            out.append((a, b))
+    return out
+
+
 def split_step(start: float, call_start: float, batch_ready: float | None, call_end: float,
-               end: float, waits) -> StepSplit:
+               end: float, waits, stalls=()) -> StepSplit:
     """Splits one step of one worker into own time (step, input, host) and waiting.
 
     Args:
@@ -107,6 +147,8 @@ def split_step(start: float, call_start: float, batch_ready: float | None, call_
             unknown, no input time).
         end: when this step ended.
         waits: (begin, end) intervals spent in collectives; overlaps count once.
+        stalls: (begin, end) intervals the process did not run (``stall_interval``): own
+            time even where they overlap a wait.
 
     Example:
         >>> split = split_step(0.0, 0.001, 0.002, 0.010, 0.011, [(0.004, 0.009)])
@@ -117,7 +159,7 @@ def split_step(start: float, call_start: float, batch_ready: float | None, call_
     call_end = min(max(call_end, call_start), end)
     known = batch_ready is not None and call_start <= batch_ready <= call_end
     ready = batch_ready if known else call_start
-    merged = _union(waits, start, end)
+    merged = _subtract(_union(waits, start, end), _union(stalls, start, end))
 
     def own(lo, hi):
         return max(0.0, (hi - lo) - _covered(merged, lo, hi))
@@ -130,6 +172,55 @@ def split_step(start: float, call_start: float, batch_ready: float | None, call_
 
 
 # --- one worker's timeline -------------------------------------------------------------------
+
+class StallMeter:
+    """Notes when this process did not run (module docstring, *Stalls*).
+
+    A daemon thread sleeps ``tick`` at a time and reports each late wake-up
+    (``stall_interval``) to ``report(begin, end)``. It runs from ``start()`` until ``stop()``
+    or until ``alive()`` turns false (its owner stopped listening without stopping it, e.g. a
+    ``fit`` that raised), so it never outlives the measurement.
+
+    Args:
+        report: called with each stall's (begin, end), wall clock seconds.
+        alive: polled every tick; the thread ends when it returns False.
+        tick: seconds slept per tick.
+        slack: lateness taken as scheduling noise.
+        clock: the wall clock, as ``StepTimer``'s.
+    """
+
+    def __init__(self, report, alive=lambda: True, tick: float = 0.01, slack: float = 0.02,
+                 clock=time.time):
+        self._report, self._alive = report, alive
+        self.tick, self.slack, self._clock = tick, slack, clock
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self):
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stopped.clear()
+        self._thread = threading.Thread(target=self._run, name="tfdp-stall-meter", daemon=True)
+        self._thread.start()
+
+    def stop(self):
+        self._stopped.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self):
+        asleep = self._clock()
+        while not self._stopped.wait(self.tick) and self._alive():
+            awake = self._clock()
+            stall = stall_interval(asleep, awake, self.tick, self.slack)
+            if stall is not None:
+                self._report(*stall)
+            asleep = awake
+
 
 class StepTimer:
     """One worker's steps split into own time and waiting (module docstring).
@@ -148,16 +239,25 @@ class StepTimer:
         self._clock = clock  # wall clock, as tf.timestamp: graph and host times compare
         self._lock = threading.Lock()
         self._waits: list[tuple[float, float]] = []
+        self._stalls: list[tuple[float, float]] = []
         self._batches: list[float] = []
         self._last_end: float | None = None
         self._call: tuple[float, float] | None = None
         self._splits: list[StepSplit] = []
+        self._stall_meter = StallMeter(self.add_stall, lambda: timing.is_listening(self),
+                                       clock=clock)
 
     def listen(self):
         timing.listen(self)
+        self._stall_meter.start()
 
     def stop(self):
         timing.stop_listening(self)
+        self._stall_meter.stop()
+
+    def add_stall(self, start: float, end: float):
+        with self._lock:
+            self._stalls.append((start, end))
 
     def add_wait(self, start: float, end: float):
         with self._lock:
@@ -186,11 +286,13 @@ class StepTimer:
         self._last_end, self._call = end, None
         with self._lock:
             waits, self._waits = self._waits, [w for w in self._waits if w[1] > end]
+            stalls, self._stalls = self._stalls, [w for w in self._stalls if w[1] > end]
             batches, self._batches = self._batches, []
         if start is None or call is None or call[1] is None:
             return None
         in_call = [b for b in batches if call[0] <= b <= call[1]]
-        split = split_step(start, call[0], min(in_call) if in_call else None, call[1], end, waits)
+        split = split_step(start, call[0], min(in_call) if in_call else None, call[1], end, waits,
+                           stalls)
         steps = max(1, len(in_call) // self.local_replicas)  # steps_per_execution > 1
         if steps > 1:
             split = StepSplit(*(v / steps for v in split.as_list()))

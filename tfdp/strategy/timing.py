@@ -135,6 +135,12 @@ def stop_listening(listener) -> None:
             _listeners.remove(listener)
 
 
+def is_listening(listener) -> bool:
+    """Whether ``listener`` listens now."""
+    with _listeners_lock:
+        return listener in _listeners
+
+
 def listening() -> bool:
     """Whether any listener listens (steps traced now are timed)."""
     return bool(_listeners)
