@@ -94,6 +94,43 @@ def test_variable_broadcast_arms_nothing_in_one_process_or_without_a_timeout(mon
     assert armed == []
 
 
+def test_the_outside_step_message_names_the_call_the_missing_workers_the_cause_and_the_fix():
+    # Real two-worker cases: tests/test_outside_step.py.
+    named = deadline.outside_step_message("tfdp.horovod's broadcast", 2.0, 0, 3, [1, 2],
+                                          "Call it on every rank.")
+    assert "tfdp.horovod's broadcast on worker 0 of 3 did not finish within 2 s" in named
+    assert "Worker(s) 1, 2 never arrived at it" in named and named.endswith("every rank.")
+    everyone = deadline.outside_step_message("x", 2.0, 1, 2, [], "Fix.")
+    assert "Every worker arrived at it" in everyone
+    failed = deadline.outside_step_message("x", 2.0, 1, 2, None, "Fix.",
+                                           cause="UnavailableError: peer gone")
+    assert "failed (UnavailableError: peer gone)" in failed and "within" not in failed
+
+
+def test_collective_outside_step_arms_nothing_in_one_process(monkeypatch):
+    armed = []
+    monkeypatch.setattr(deadline._watchdog, "arm", lambda *a: armed.append(a) or 0)
+    strategy = tfdp.DataParallelStrategy(devices=cpu_devices(2), timeout_seconds=300)
+    with deadline.collective_outside_step(strategy, "a call", "Fix."):
+        strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
+    assert armed == []
+
+
+def test_tfdp_timeout_seconds_is_the_multi_worker_default_deadline(monkeypatch):
+    from tfdp.strategy.options import DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS, resolve_options
+
+    monkeypatch.delenv("TFDP_TIMEOUT_SECONDS", raising=False)
+    assert resolve_options(multi_worker=True).timeout_seconds == \
+        DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS
+    monkeypatch.setenv("TFDP_TIMEOUT_SECONDS", "7.5")
+    assert resolve_options(multi_worker=True).timeout_seconds == 7.5
+    assert resolve_options(multi_worker=True, timeout_seconds=3).timeout_seconds == 3
+    assert resolve_options(multi_worker=False).timeout_seconds is None  # one process: none
+    monkeypatch.setenv("TFDP_TIMEOUT_SECONDS", "soon")
+    with pytest.raises(ValueError, match="TFDP_TIMEOUT_SECONDS='soon' must be a positive"):
+        resolve_options(multi_worker=True)
+
+
 def _thread_growth(strategy, steps=100):
     @tf.function
     def step(x):

@@ -90,6 +90,7 @@ from tfdp._tf_private.coordination import (
     eager_context_initialized,
     preconfigure_collective_runtime,
     publish_to_coordination_service,
+    delete_from_coordination_service,
     read_from_coordination_service,
     reuse_running_collective_server,
     wait_at_coordination_barrier,
@@ -191,6 +192,7 @@ __all__ = [
     "end_of_data_agreement", "dataset_flat_types_and_shapes", "autograph_user_function",
     # coordination
     "publish_to_coordination_service", "read_from_coordination_service",
+    "delete_from_coordination_service",
     "coordination_service_configured", "wait_at_coordination_barrier",
     "COLLECTIVE_RUNTIME_CONTEXT_METHODS", "eager_context_initialized",
     "preconfigure_collective_runtime", "reuse_running_collective_server",

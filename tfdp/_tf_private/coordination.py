@@ -44,6 +44,14 @@ def publish_to_coordination_service(key: str, value: str) -> None:
     _eager_context.context().set_config_key_value(key, value)
 
 
+def delete_from_coordination_service(key: str) -> None:
+    """Removes ``key`` (no error when it is not there)."""
+    try:
+        _eager_context.context().delete_config_key_value(key)
+    except Exception:  # noqa: BLE001  (tf.errors.OpError: already gone, or the service is)
+        pass
+
+
 def read_from_coordination_service(key: str, timeout_seconds: float) -> str:
     """Blocks until ``key`` is set (at most ``timeout_seconds``; then a tf.errors.OpError)."""
     return _eager_context.context().get_config_key_value(

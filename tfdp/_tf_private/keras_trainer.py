@@ -33,17 +33,22 @@ def patch_keras_auto_jit_compile(make) -> None:
     _patch(trainer, "_resolve_auto_jit_compile", make, "jit_compile='auto' under tfdp")
 
 
-def patch_keras_step_functions(make_train, make_test) -> None:
-    """Class patch of ``make_train_function`` / ``make_test_function`` (Keras's TF trainer).
+def patch_keras_step_functions(make_train, make_test, make_predict=None) -> None:
+    """Class patch of ``make_train_function`` / ``make_test_function`` (Keras's TF trainer),
+    and ``make_predict_function`` when ``make_predict`` is given.
 
     Why: with ``jit_compile=True`` Keras compiles the whole distributed step, collectives
     included, which XLA cannot do across CPU replicas nor for several GPUs in one process.
     tfdp builds the step itself (xla.py): per-replica compiled forward/backward, reduction and
-    update outside. Keras has no public hook for the step function it builds.
+    update outside; every step runs under the step deadline (predict's too: under ZeRO-3 its
+    forward gathers across workers). Keras has no public hook for the step function it builds.
     """
     _, tf_trainer = _keras_trainer_classes()
     _patch(tf_trainer, "make_train_function", make_train, "tfdp's XLA train step")
     _patch(tf_trainer, "make_test_function", make_test, "tfdp's XLA test step")
+    if make_predict is not None:
+        _patch(tf_trainer, "make_predict_function", make_predict,
+               "the step deadline of predict")
 
 
 def keras_make_step_function(model, step_function):

@@ -39,6 +39,7 @@ import tensorflow as tf
 
 from tfdp.horovod import _runtime
 from tfdp.strategy import collectives as _tfdp_collectives
+from tfdp.strategy import deadline
 
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression", "allreduce",
            "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
@@ -149,7 +150,28 @@ def _run(key, replica_fn, tensors, uneven=False):
                 functools.partial(_run_in_replicas, strategy, replica_fn),
                 input_signature=[_spec(t, uneven) for t in tensors], autograph=False)
             _cache[full_key] = function
-    return function(*tensors)
+            first = True
+        else:
+            first = False
+    # Eagerly, outside any step: bounded by the engine's deadline, naming a rank that never
+    # calls it (tfdp.strategy.deadline.collective_outside_step).
+    with deadline.collective_outside_step(
+            strategy, f"tfdp.horovod's {key[0]} ({_CALLERS[key[0]]})", _FIX, kind=key[0],
+            first=first):
+        return function(*tensors)
+
+
+_CALLERS = {
+    "allreduce": "hvd.allreduce, grouped_allreduce, MetricAverageCallback, a "
+                 "DistributedOptimizer's or DistributedGradientTape's reduction run eagerly",
+    "allgather": "hvd.allgather, allgather_object",
+    "broadcast": "hvd.broadcast, broadcast_variables, broadcast_object, "
+                 "BroadcastGlobalVariablesCallback",
+}
+_FIX = ("Horovod's collectives are called by every rank in the same order: one under `if "
+        "hvd.rank() == 0` (or after a rank returned or broke out of its loop early) leaves the "
+        "others waiting. Call it on every rank; if a rank legitimately arrives this much later, "
+        "raise the deadline (TFDP_TIMEOUT_SECONDS).")
 
 
 def _ctx():

@@ -411,7 +411,20 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         if axis is not None:
             if all(getattr(p, "shape", None) is not None and p.shape.rank == 0 for p in parts):
                 axis = None
-        return super().reduce(reduce_op, value, axis)
+        if not tf.executing_eagerly():
+            return super().reduce(reduce_op, value, axis)
+        # Eagerly with several workers: a collective outside any step (deadline.py).
+        with deadline.collective_outside_step(self, _EAGER_REDUCE, _EAGER_REDUCE_FIX,
+                                              kind="eager-reduce"):
+            return super().reduce(reduce_op, value, axis)
+
+
+_EAGER_REDUCE = ("an eager cross-worker reduction (strategy.reduce, or, in Keras's predict, "
+                 "the distributed iterator asking every worker whether it has data left)")
+_EAGER_REDUCE_FIX = (
+    "Call strategy.reduce, and model.predict on a distributed input, on every worker the "
+    "same number of times (not under `if is_chief`), each worker with the same number of "
+    "batches; if a worker legitimately arrives this much later, raise timeout_seconds.")
 
 
 def _cluster_resolver(cluster: ClusterConfig):

@@ -26,6 +26,14 @@ when the variable is created, outside any step. ``variable_broadcast`` puts it u
 deadline (the first variable of a strategy, where the workers first meet, gets
 ``FIRST_STEP_FACTOR`` times as long), and each worker posts its arrival at that first one in the
 coordination service, so the error names the worker(s) that never came.
+
+Other collectives outside a step (``collective_outside_step``): Horovod's eager collectives
+(``hvd.broadcast_variables``, ``allreduce`` ... called outside a ``tf.function``), ZeRO-3's
+whole-tensor reads (``model.save``, ``get_weights``: every worker gathers every slice) and
+Keras's predict steps. Each call posts this worker's arrival (numbered per kind, the same on
+every worker since all call them in the same order) and runs under the deadline; a call that
+fails, by the deadline or because a peer left, fails naming the worker(s) that never arrived
+and the fix.
 """
 
 from __future__ import annotations
@@ -36,7 +44,8 @@ import threading
 import time
 
 __all__ = ["FIRST_STEP_FACTOR", "deadline_seconds", "overdue_message", "Watchdog", "watching",
-           "variable_broadcast", "broadcast_overdue_message"]
+           "variable_broadcast", "broadcast_overdue_message", "collective_outside_step",
+           "outside_step_message"]
 
 FIRST_STEP_FACTOR = 6
 
@@ -175,7 +184,7 @@ def broadcast_overdue_message(variable: str, seconds: float, rank: int, num_work
                          "reaches it this much later, raise timeout_seconds.")
 
 
-def _missing_at_first_variable(key: str, num_workers: int) -> list:
+def _missing_arrivals(key: str, num_workers: int) -> list:
     from tfdp import _tf_private
 
     missing = []
@@ -211,12 +220,102 @@ def variable_broadcast(strategy, variable: str, first: bool):
         _tf_private.publish_to_coordination_service(f"{key}/{cluster.rank}", "1")
 
     def message():
-        missing = _missing_at_first_variable(key, cluster.num_workers) if known else None
+        missing = _missing_arrivals(key, cluster.num_workers) if known else None
         return broadcast_overdue_message(variable, seconds, cluster.rank, cluster.num_workers,
                                          missing)
 
     token = _watchdog.arm(seconds, message)
     try:
         yield
+    finally:
+        _watchdog.disarm(token)
+
+
+# --- other collectives outside a step ------------------------------------------------------
+
+def outside_step_message(what: str, seconds: float, rank: int, num_workers: int, missing,
+                         fix: str, cause: str = "") -> str:
+    """The error of a collective outside a step that did not finish.
+
+    Args:
+        missing: the ranks that never arrived at it (None: unknown).
+        fix: what the user should do, for this kind of collective.
+        cause: the error the collective ended with ("" when the deadline ended it).
+    """
+    if cause:
+        head = (f"tfdp: {what} on worker {rank} of {num_workers} failed ({cause}). ")
+    else:
+        head = (f"tfdp: {what} on worker {rank} of {num_workers} did not finish within "
+                f"{seconds:g} s (DataParallelStrategy's timeout_seconds), so tfdp aborted its "
+                "collectives. ")
+    if missing:
+        who = (f"Worker(s) {', '.join(map(str, missing))} never arrived at it: every worker "
+               "must make this call, in the same order. ")
+    elif missing is not None:
+        who = "Every worker arrived at it; one is stuck or slower than the deadline. "
+    else:
+        who = "The worker logs show which one is behind. "
+    return head + who + fix
+
+
+_outside_counts: dict = {}
+_outside_lock = threading.Lock()
+
+
+def _next_call_number(key: str) -> int:
+    with _outside_lock:
+        n = _outside_counts.get(key, 0)
+        _outside_counts[key] = n + 1
+        return n
+
+
+@contextlib.contextmanager
+def collective_outside_step(strategy, what: str, fix: str, kind: str | None = None,
+                            first: bool | None = None):
+    """Bounds one collective call outside a training step on several workers (module
+    docstring): posts this worker's arrival, arms ``strategy``'s deadline, and turns a
+    failure into an error naming the worker(s) that never arrived and ``fix``.
+
+    Args:
+        strategy: a tfdp strategy (nothing is done for one worker or no ``timeout_seconds``).
+        what: names the call in the error ("tfdp.horovod.broadcast_variables").
+        fix: the fix, in the error.
+        kind: calls of one kind are numbered together (default: ``what``).
+        first: the first call (tracing, peers still starting): ``FIRST_STEP_FACTOR`` times
+            as long; None: whether this is the first call of its kind.
+    """
+    cluster = getattr(strategy, "cluster", None)
+    if (cluster is None or not cluster.is_multi_worker
+            or deadline_seconds(getattr(strategy, "timeout_seconds", None), False) is None):
+        yield
+        return
+    import tensorflow as tf
+
+    from tfdp import _tf_private
+
+    base = f"tfdp/outside/{strategy._tfdp_key_base}/{kind or what}"  # noqa: SLF001
+    number = _next_call_number(base)
+    seconds = deadline_seconds(strategy.timeout_seconds, number == 0 if first is None else first)
+    key = f"{base}/{number}"
+    known = _tf_private.coordination_service_configured()
+    if known:
+        _tf_private.publish_to_coordination_service(f"{key}/{cluster.rank}", "1")
+        if number >= 2:
+            # The service keeps what it is given: drop this worker's arrival two calls back
+            # (a peer at most one call ahead still finds the one before).
+            _tf_private.delete_from_coordination_service(f"{base}/{number - 2}/{cluster.rank}")
+
+    def message(cause=""):
+        missing = _missing_arrivals(key, cluster.num_workers) if known else None
+        return outside_step_message(what, seconds, cluster.rank, cluster.num_workers, missing,
+                                    fix, cause)
+
+    token = _watchdog.arm(seconds, message)
+    try:
+        yield
+    except tf.errors.OpError as e:
+        if "tfdp:" in (e.message or ""):
+            raise  # the deadline's own message
+        raise type(e)(e.node_def, e.op, message(f"{type(e).__name__}: {e.message}")) from e
     finally:
         _watchdog.disarm(token)

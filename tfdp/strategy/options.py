@@ -10,6 +10,8 @@ gathers; what needs the cluster (a default step deadline with several workers) b
 
 from __future__ import annotations
 
+import os
+
 import dataclasses
 
 __all__ = ["COMMUNICATIONS", "COMPRESSIONS", "DEFAULT_BUCKET_BYTES",
@@ -47,6 +49,21 @@ class StrategyOptions:
     random_draws: str = "as_one_device"
 
 
+def timeout_from_env(text):
+    """``TFDP_TIMEOUT_SECONDS``'s value as a multi-worker strategy's default deadline."""
+    if text is None or text == "":
+        return DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise ValueError(f"TFDP_TIMEOUT_SECONDS={text!r} must be a positive number of seconds "
+                         "(the per-step deadline of multi-worker strategies), or unset for "
+                         f"{DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS:g}.")
+    return seconds
+
+
 def resolve_options(*, communication="auto", bucket_bytes=None, compression=None,
                     timeout_seconds=None, random_draws="as_one_device",
                     multi_worker=False) -> StrategyOptions:
@@ -56,8 +73,10 @@ def resolve_options(*, communication="auto", bucket_bytes=None, compression=None
         communication: ``"auto"``, ``"nccl"`` or ``"ring"``.
         bucket_bytes: an integer >= 0, or None for ``DEFAULT_BUCKET_BYTES``.
         compression: ``None``, ``"fp16"`` or ``"bf16"``.
-        timeout_seconds: positive, or None: ``DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS`` with
-            several workers, no deadline in one process.
+        timeout_seconds: positive, or None: with several workers the environment's
+            ``TFDP_TIMEOUT_SECONDS`` if set (for scripts that do not build the strategy
+            themselves, e.g. Horovod's), else ``DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS``; no
+            deadline in one process.
         random_draws: ``"as_one_device"`` or ``"independent"``.
         multi_worker: the job has several workers.
 
@@ -79,7 +98,7 @@ def resolve_options(*, communication="auto", bucket_bytes=None, compression=None
     if timeout_seconds is not None and not timeout_seconds > 0:
         raise ValueError(f"timeout_seconds={timeout_seconds!r} must be positive or None.")
     if timeout_seconds is None and multi_worker:
-        timeout_seconds = DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS
+        timeout_seconds = timeout_from_env(os.environ.get("TFDP_TIMEOUT_SECONDS"))
     if random_draws not in RANDOM_DRAWS:
         raise ValueError(
             f"random_draws={random_draws!r} is not one of {RANDOM_DRAWS}: 'as_one_device' gives "

@@ -50,7 +50,7 @@ import keras
 import tensorflow as tf
 
 from tfdp import _tf_private
-from tfdp.strategy import collectives
+from tfdp.strategy import collectives, deadline
 
 __all__ = ["ShardSpec", "shard_layout", "owner_of", "DEFAULT_SHARD_MIN_ELEMENTS",
            "is_sharded", "clip_gradients", "sharded_bytes_per_replica", "slice_gradient",
@@ -94,6 +94,7 @@ class ShardSpec:
         kind: ``"parameter"`` (a replica's read gathers) or ``"state"`` (a replica's read is
             its slice).
         strategy: the strategy that created it.
+        name: the variable's name, for errors.
     """
 
     shape: tf.TensorShape
@@ -102,6 +103,7 @@ class ShardSpec:
     first_shard: int
     kind: str
     strategy: object
+    name: str = ""
 
     @property
     def num_elements(self) -> int:
@@ -235,8 +237,22 @@ def _gather_across_workers(components, spec: ShardSpec):
                 return collectives.all_gather(local.value())
             return strategy.run(fn)
         spec._gather_function = gather
-    flat = strategy.experimental_local_results(gather())[0]
+        first = True
+    else:
+        first = False
+    with deadline.collective_outside_step(
+            strategy, f"reading the sharded variable {spec.name!r} whole", _WHOLE_READ_FIX,
+            kind="whole-read", first=first):
+        flat = strategy.experimental_local_results(gather())[0]
     return spec.whole_from_flat(flat)
+
+
+_WHOLE_READ_FIX = (
+    "Under shard_parameters=True (ZeRO-3) each worker holds slices of the parameters, so "
+    "reading one whole (model.save, save_weights, get_weights, a checkpoint, a callback that "
+    "reads weights) gathers its slices from every worker: make that call on every worker, "
+    "not under `if is_chief` / `if rank == 0` (tfdp's BackupAndRestore and ModelCheckpoint "
+    "under tfdp.callbacks already save on every worker and write on the chief).")
 
 
 def create(extended, next_creator, min_elements, kwargs: dict):
@@ -285,7 +301,8 @@ def create(extended, next_creator, min_elements, kwargs: dict):
     kwargs = {k: v for k, v in kwargs.items() if k not in ("colocate_with", "shape")}
     num_shards = strategy.num_replicas_in_sync
     spec = ShardSpec(shape=value.shape, dtype=value.dtype, num_shards=num_shards,
-                     first_shard=rank * len(devices), kind=kind, strategy=strategy)
+                     first_shard=rank * len(devices), kind=kind, strategy=strategy,
+                     name=str(kwargs.get("name") or ""))
     if strategy.cluster.is_multi_worker and container is None:
         # Every worker slices the chief's value (initializers may draw differently per worker).
         whole = _tf_private.broadcast_initial_value(

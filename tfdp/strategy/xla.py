@@ -424,6 +424,21 @@ def _per_input_kind(build, strategy, kind):
     return step_function
 
 
+def _watched_predict(function, strategy):
+    """Keras's predict function under the step deadline (several workers): its collectives
+    (ZeRO-3's gathers, a metric) wait for every worker, so a worker that never predicts, or
+    predicts fewer batches, ends the others' predict with an error instead of a hang."""
+    first = [True]
+
+    def predict_function(iterator):
+        with deadline.watching(strategy, "a prediction step", first=first[0]):
+            first[0] = False
+            return function(iterator)
+
+    predict_function._tfdp_watched = True
+    return predict_function
+
+
 def _build_step(model, kind, original, strategy):
     """The step function Keras (plan "keras") or tfdp's XLA split builds; returns it."""
     attribute = f"{kind}_function"
@@ -486,5 +501,16 @@ def install_keras_hooks():
             return _make_step_function(self, "test", original, force)
         return make_test_function
 
+    def make_predict(original):
+        def make_predict_function(self, force=False):
+            function = original(self, force)
+            strategy = _tfdp_strategy_of(self)
+            if (strategy is None or getattr(function, "_tfdp_watched", False)
+                    or not strategy.cluster.is_multi_worker):
+                return function
+            self.predict_function = _watched_predict(function, strategy)
+            return self.predict_function
+        return make_predict_function
+
     _tf_private.patch_keras_auto_jit_compile(make_resolve)
-    _tf_private.patch_keras_step_functions(make_train, make_test)
+    _tf_private.patch_keras_step_functions(make_train, make_test, make_predict)
