@@ -125,3 +125,34 @@ def _alone_when_marked_exclusive(request):
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+# --- where a slow test's time went: its own CPU, its children's, or neither -----------------
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """Records the call's CPU seconds (this process: every thread; its reaped children) beside
+    its wall time, for the summary below. A test far slower than alone with little CPU of its
+    own waited (for the CPU, a lock, a peer); one with CPU close to its wall time computed."""
+    before = os.times()
+    yield
+    after = os.times()
+    item.user_properties.append(("cpu_s", (after.user + after.system)
+                                 - (before.user + before.system)))
+    item.user_properties.append(("children_cpu_s", (after.children_user + after.children_system)
+                                 - (before.children_user + before.children_system)))
+
+
+def pytest_terminal_summary(terminalreporter):
+    rows = []
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) != "call" or report.duration < 60:
+                continue
+            props = dict(report.user_properties)
+            rows.append((report.duration, props.get("cpu_s", 0.0),
+                         props.get("children_cpu_s", 0.0), report.nodeid))
+    if rows:
+        terminalreporter.section("tests over 60 s: wall, own CPU, children's CPU (s)")
+        for wall, cpu, children, nodeid in sorted(rows, reverse=True):
+            terminalreporter.write_line(f"{wall:7.1f} {cpu:7.1f} {children:7.1f}  {nodeid}")
