@@ -36,3 +36,31 @@ def test_keras_fit_example_trains_to_a_reported_accuracy():
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "test accuracy:" in proc.stdout and "samples/s" in proc.stdout
+
+
+def test_soak_outcomes_and_summary():
+    # tools/soak_jobs.py: a run past its timeout is hung whatever its code; a non-zero exit or
+    # a check that found a difference is failed; only a clean exit with its check passed ended.
+    from soak_jobs import outcome_of, summarize
+
+    assert outcome_of(None, True, None) == "hung"
+    assert outcome_of(1, False, None) == "failed"
+    assert outcome_of(0, False, "rank 1 weight 0 is 1e-3 off one process") == "failed"
+    assert outcome_of(0, False, None) == "ended"
+    table = summarize([{"job": "a", "outcome": "ended", "seconds": 3.0},
+                       {"job": "a", "outcome": "hung", "seconds": 240.0},
+                       {"job": "b", "outcome": "failed", "seconds": 1.0}])
+    assert table["a"] == {"ended": 1, "failed": 0, "hung": 1, "runs": 2, "seconds": [3.0]}
+    assert table["b"]["failed"] == 1 and table["b"]["seconds"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_soak_tool_runs_a_job_and_its_check(tmp_path):
+    # One run of the Horovod fit job with its weight check, no added load.
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "soak_jobs.py"),
+                          "--jobs=hvd_fit", "--runs=1", "--busy=0", f"--out={tmp_path}"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "hvd_fit run 0: ended" in out.stdout, out.stdout[-3000:]
+    assert (tmp_path / "soak.png").exists() and (tmp_path / "soak.json").exists()
