@@ -13,6 +13,7 @@ import importlib as _importlib
 import sys as _sys
 
 from tfdp.cluster import ClusterConfig, ClusterConfigError
+from tfdp.process_state import reset
 
 __version__ = "0.5.0"
 
@@ -29,7 +30,7 @@ _TF_SIDE = ("tfdp.strategy.data_parallel", "tfdp.optimizers", "tfdp.schedules", 
 
 __all__ = ["callbacks", "ClusterConfig", "ClusterConfigError", "compile_gradients",
            "configure_cpu_replicas", "data",
-           "DataParallelStrategy", "optimizers", "scale_learning_rate", "schedules",
+           "DataParallelStrategy", "optimizers", "reset", "scale_learning_rate", "schedules",
            "ShardedOptimizer"]
 
 

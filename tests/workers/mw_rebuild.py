@@ -13,7 +13,10 @@ TFDP_TEST_TIMEOUT: the strategies' timeout_seconds; TFDP_TEST_NO_MODEL=rank: tha
 builds round 0's model (it stays alive, waiting); TFDP_TEST_CHIEF_VARIABLE=1: the chief alone
 creates one more variable in scope after round 0's model; TFDP_TEST_LATE="rank:seconds": that rank waits before building each strategy after the first (the
 other workers' runtime then reaches the new round first); TFDP_TEST_KEYS=1: every collective key this process takes (group, instance, device, caller) is
-logged to OUT/keys-<rank>.txt, to compare the workers' key sequences after a hang.
+logged to OUT/keys-<rank>.txt, to compare the workers' key sequences after a hang;
+TFDP_TEST_RESET=1: each round ends with ``tfdp.reset()`` instead of ``uninstall()``, and what the
+process holds after each reset (tfdp's process state, threads, signal handlers, patches,
+``sys.exit``) and each fit's duration go to OUT/reset-<rank>.json.
 """
 
 import os
@@ -64,6 +67,8 @@ if os.environ.get("TFDP_TEST_KEYS"):
 x, y = classification_data(n=128)
 global_batch = 32
 late_rank, late_seconds = (os.environ.get("TFDP_TEST_LATE") or "-1:0").split(":")
+resetting = bool(os.environ.get("TFDP_TEST_RESET"))
+after = []  # per round, after tfdp.reset(): what the process holds
 for k in range(rounds):
     print(f"rank {rank}: round {k}", flush=True)
     if k and rank == int(late_rank):
@@ -86,8 +91,31 @@ for k in range(rounds):
                                  global_batch)
     callbacks = [tfdp.callbacks.BackupAndRestore(os.path.join(out, f"backup{k}")),
                  tfdp.callbacks.StragglerMonitor(window=2)]
+    started = time.monotonic()
     model.fit(train, epochs=epochs, verbose=0, callbacks=callbacks)
+    fit_seconds = time.monotonic() - started
     np.savez(os.path.join(out, f"round{k}-{rank}.npz"), *model.get_weights())
-    tfdp.strategy.keras_integration.uninstall()
+    if resetting:
+        del model, train, callbacks, strategy
+        tfdp.reset()
+        import gc
+        import signal
+        import threading
+        gc.collect()
+        after.append({
+            "fit_seconds": fit_seconds,
+            "state": {name: repr(value) for name, value in tfdp.process_state.describe().items()},
+            "python_threads": sorted(t.name for t in threading.enumerate()),
+            "native_threads": len(os.listdir("/proc/self/task")),
+            "handlers": {name: repr(signal.getsignal(getattr(signal, name)))
+                         for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")},
+            "patches": len(tfdp._tf_private.patched()),
+            "sys_exit": repr(sys.exit)})
+    else:
+        tfdp.strategy.keras_integration.uninstall()
+if resetting:
+    import json
+    with open(os.path.join(out, f"reset-{rank}.json"), "w") as f:
+        json.dump(after, f, indent=1)
 print(f"rank {rank}: done {rounds} rounds", flush=True)
 sys.stdout.flush()

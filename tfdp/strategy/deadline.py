@@ -90,6 +90,7 @@ class Watchdog:
         self._armed = []  # [(due, message, token)], innermost last
         self._tokens = 0
         self._thread = None
+        self._closing = None  # the thread told to end by close()
 
     def arm(self, seconds: float, message) -> int:
         with self._cond:
@@ -102,16 +103,34 @@ class Watchdog:
             self._cond.notify()
             return self._tokens
 
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def close(self) -> None:
+        """Ends the thread (``tfdp.reset()``); a later ``arm`` starts a new one. Armed
+        deadlines are dropped."""
+        with self._cond:
+            thread, self._thread = self._thread, None
+            self._armed = []
+            self._closing = thread
+            self._cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
     def disarm(self, token: int) -> None:
         with self._cond:
             self._armed = [entry for entry in self._armed if entry[2] != token]
             self._cond.notify()  # an outer deadline may be due sooner than the one it waits for
 
     def _watch(self):
+        me = threading.current_thread()
         while True:
             with self._cond:
-                while not self._armed:
+                while not self._armed and self._closing is not me:
                     self._cond.wait()
+                if self._closing is me:
+                    self._closing = None
+                    return
                 due, message, token = self._armed[-1]
                 left = due - time.monotonic()
                 if left > 0:
