@@ -86,8 +86,10 @@ def dropout_mlp():
     ])
 
 
-def train_dropout(strategy, model_fn, global_batch=GLOBAL_BATCH, epochs=2):
-    """Weights after ``fit`` of ``model_fn`` under ``strategy`` (None: one device)."""
+def train_dropout(strategy, model_fn, global_batch=GLOBAL_BATCH, epochs=2, plain_input=False):
+    """Weights after ``fit`` of ``model_fn`` under ``strategy`` (None: one device).
+    ``plain_input``: the batched ``tf.data.Dataset`` goes to ``fit`` as it is (TensorFlow's own
+    distribution, which deals per-replica batches to the workers), not through tfdp.data."""
     x, y = classification_data(n=128)
     weights = initial_weights(model_fn)
     scope = strategy.scope() if strategy is not None else tf.distribute.get_strategy().scope()
@@ -96,7 +98,7 @@ def train_dropout(strategy, model_fn, global_batch=GLOBAL_BATCH, epochs=2):
         model.set_weights(weights)
         model.compile(optimizer=keras.optimizers.Adam(0.01),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    if strategy is None:
+    if strategy is None or plain_input:
         data = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
     else:  # replica r gets rows r*b .. (r+1)*b of every global batch, on any layout
         import tfdp

@@ -179,5 +179,15 @@ def test_two_workers_of_two_replicas_draw_like_one_device(tmp_path):
         assert _replicas_differ(parts), name
     for name, per_replica in draws.items():
         np.testing.assert_array_equal(np.concatenate(per_replica), reference[name], err_msg=name)
-    trained = [ranks[0][f"w{i}"] for i in range(len(ranks[0].files) - len(reference))]
-    assert_weights_close(trained, train_dropout(None, dropout_mlp), atol=1e-5, rtol=1e-5)
+    count = sum(name.startswith("w") for name in ranks[0].files)
+    one_device = train_dropout(None, dropout_mlp)
+    assert_weights_close([ranks[0][f"w{i}"] for i in range(count)], one_device, atol=1e-5,
+                         rtol=1e-5)
+    # A plain batched dataset (Keras hands it to TensorFlow's distribution, which deals the
+    # per-replica batches to the workers: worker 1's first replica holds the second quarter
+    # of each global batch) trains like one device too. Before the draws followed that
+    # layout this MLP ended 0.10 off one device (KerasHub's GPT-2 and BERT 1.5e-2 and 1.3e-2
+    # on 2 workers x 2 replicas, issue 41).
+    for rank in ranks:
+        assert_weights_close([rank[f"p{i}"] for i in range(count)], one_device, atol=1e-5,
+                             rtol=1e-5)

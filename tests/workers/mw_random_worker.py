@@ -2,8 +2,9 @@
 
 Each worker runs one step of Dropout, GaussianNoise and RandomFlip on its replicas' rows of a
 fixed global batch, inside ``strategy.run``, and then two epochs of ``fit`` of a small MLP with
-Dropout 0.3 on the same global batches; it writes its replicas' outputs (in global replica
-order) and, the chief, the trained weights to ``$TFDP_TEST_OUT/rank<r>.npz``.
+Dropout 0.3 on the same global batches, through tfdp.data and again on the plain batched
+dataset (TensorFlow's distribution); it writes its replicas' outputs (in global replica
+order) and the trained weights of both to ``$TFDP_TEST_OUT/rank<r>.npz``.
 """
 
 import os
@@ -19,7 +20,11 @@ strategy = tfdp.DataParallelStrategy()
 rank = strategy.cluster.rank
 local = replica_draws(strategy)
 import helpers  # noqa: E402
-weights = train_dropout(strategy, dropout_mlp if os.environ.get("TFDP_TEST_MODEL") != "mlp" else helpers.mlp)
+model_fn = dropout_mlp if os.environ.get("TFDP_TEST_MODEL") != "mlp" else helpers.mlp
+weights = train_dropout(strategy, model_fn)
+# The same training on the plain batched dataset: TensorFlow's own distribution of it.
+plain = train_dropout(strategy, model_fn, plain_input=True)
 np.savez(os.path.join(os.environ["TFDP_TEST_OUT"], f"rank{rank}.npz"),
-         **local, **{f"w{i}": w for i, w in enumerate(weights)})
+         **local, **{f"w{i}": w for i, w in enumerate(weights)},
+         **{f"p{i}": w for i, w in enumerate(plain)})
 print("RANDOM_DONE", rank, flush=True)

@@ -391,6 +391,15 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         return super().run(randomness.replica_function(self, fn), args=args, kwargs=kwargs,
                            options=options)
 
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """``tf.distribute.Strategy.experimental_distribute_dataset`` (what Keras's ``fit``
+        calls for a ``tf.data.Dataset``), telling the random draws that TensorFlow deals the
+        per-replica batches to the workers one by one, so that each replica draws one
+        device's numbers for the rows it holds (``randomness.deal_rows``)."""
+        distributed = super().experimental_distribute_dataset(dataset, options)
+        randomness.deal_rows(self, self.cluster.num_workers, unit="batch")
+        return distributed
+
     # --- Keras-3 compatibility -------------------------------------------------------
     def reduce(self, reduce_op, value, axis=None):
         """``tf.distribute.Strategy.reduce`` that also takes nests and scalars.
