@@ -29,7 +29,7 @@ from tfdp.horovod import _runtime
 from tfdp.launcher import horovodrun
 from tfdp.launcher.cli import parse_args
 from tfdp.optimizers import sharded_state
-from test_hosts import sshd  # noqa: F401  (the fixture: a loopback sshd, two "hosts")
+from loopback_sshd import launch_over_ssh, sshd  # noqa: F401  (sshd: the fixture, two "hosts")
 
 LAUNCH_TIMEOUT = 180
 LOCAL_BATCH = 8
@@ -419,22 +419,6 @@ def global_batches(x, y, workers, steps=None):
 def assert_same_weights(got, want, what):
     for k, (a, b) in enumerate(zip(got, want)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=f"{what}: weight {k}")
-
-
-def launch_over_ssh(tmp_path, sshd, script, **env):
-    """``tfdp-run -np 2 -H tfdp-a:1,tfdp-b:1`` (tests/test_hosts.py's loopback sshd, two
-    "hosts" on 127.0.0.2 and 127.0.0.3), horovodrun's spelling; ``env`` passed with -x."""
-    import sys
-
-    from test_hosts import ADDRESSES
-    environ = worker_env(TFDP_TEST_OUT=tmp_path, TF_CPP_MIN_LOG_LEVEL=2, TMPDIR=tmp_path, **env)
-    passed = [flag for name in env for flag in ("-x", name)]
-    cmd = [sys.executable, "-m", "tfdp.run", "-np", "2", "-H", "tfdp-a:1,tfdp-b:1",
-           "--ssh-config", sshd, *ADDRESSES, *passed, "--output", "all",
-           sys.executable, worker_script(script)]
-    code, out = run_job(cmd, environ, LAUNCH_TIMEOUT)
-    assert code == 0, out[-4000:]
-    return out
 
 
 # Issue 40, hang 1: this job used to hang now and then (both workers silent in the first

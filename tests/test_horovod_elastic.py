@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from launching import run_job, worker_env, worker_script
-from test_hosts import sshd  # noqa: F401  (the fixture: a loopback sshd, two "hosts")
+from loopback_sshd import sshd  # noqa: F401  (the fixture: a loopback sshd, two "hosts")
 
 LAUNCH_TIMEOUT = 400
 EPOCHS, STEPS = 3, 6
@@ -35,7 +35,7 @@ def test_a_killed_worker_resumes_from_the_last_commit(tmp_path, case, request):
     extra = {} if comes_back else {"FAIL_AT_START": "1"}
     hosts = []
     if case == "ssh":  # two loopback "hosts" (tests/test_hosts.py's sshd); a shared commit dir
-        from test_hosts import ADDRESSES
+        from loopback_sshd import ADDRESSES
         hosts = ["-H", "tfdp-a:1,tfdp-b:1", "--ssh-config", request.getfixturevalue("sshd"),
                  *ADDRESSES, "-x", "KILL_AT"]
         extra.update(TFDP_ELASTIC_DIR=tmp_path / "elastic", TMPDIR=tmp_path)

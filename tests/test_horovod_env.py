@@ -13,7 +13,7 @@ import pytest
 from launching import run_job, worker_env, worker_script
 from tfdp.cluster.placement import horovod_environment, placement_of
 from tfdp.launcher import processes
-from test_hosts import sshd  # noqa: F401  (the fixture: a loopback sshd, two "hosts")
+from loopback_sshd import launch_over_ssh, sshd  # noqa: F401  (the fixture: a loopback sshd, two "hosts")
 
 LAUNCH_TIMEOUT = 180
 
@@ -61,7 +61,6 @@ def test_every_worker_of_an_attempt_gets_them_and_remote_ones_too(tmp_path):
 @pytest.mark.multiworker
 def test_a_script_reads_them_before_importing_tfdp(tmp_path, where, request):
     if where == "ssh":  # two loopback "hosts" (tests/test_hosts.py's sshd), one process each
-        from test_horovod import launch_over_ssh
         launch_over_ssh(tmp_path, request.getfixturevalue("sshd"), "hvd_env.py")
     else:
         environ = worker_env(TFDP_TEST_OUT=tmp_path, TF_CPP_MIN_LOG_LEVEL=2)

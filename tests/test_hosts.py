@@ -11,17 +11,15 @@ Every wait is bounded; only processes the tests started are signalled, by pid.
 
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
 from launching import fake_worker_starts, wait_until, worker_env, worker_script
+from loopback_sshd import ADDRESSES, sshd  # noqa: F401  (sshd: the fixture)
 from procs import process_alive
 from tfdp.launcher import hosts as hosts_lib
 from tfdp.launcher import processes as launch
@@ -30,7 +28,6 @@ from tfdp.launcher.hosts import Host, HostsError
 
 FAKE_WORKER = worker_script("fake_worker.py")
 TIMEOUT = 90
-SSHD = shutil.which("sshd") or ("/usr/sbin/sshd" if os.path.exists("/usr/sbin/sshd") else None)
 
 
 # --- the pure rules -----------------------------------------------------------------------
@@ -112,63 +109,8 @@ def test_parse_args_rejects_bad_host_flags(flags, problem, capsys):
     assert problem in capsys.readouterr().err
 
 
-# --- a real sshd on loopback ----------------------------------------------------------------
+# --- a real sshd on loopback: tests/loopback_sshd.py ------------------------------------------
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("", 0))  # free on every address, 127.0.0.4 included
-        return s.getsockname()[1]
-
-
-def _reachable(address, port):
-    try:
-        socket.create_connection((address, port), timeout=1).close()
-        return True
-    except OSError:
-        return False
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
-    """A real sshd on 127.0.0.2 and 127.0.0.3; yields the ssh_config that reaches it."""
-    if SSHD is None or shutil.which("ssh") is None or shutil.which("ssh-keygen") is None:
-        pytest.skip("OpenSSH server/client not installed (apt-get install openssh-server "
-                    "openssh-client; CI installs them)")
-    d = tmp_path_factory.mktemp("sshd")
-    for key in ("host_key", "client_key"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)],
-                       check=True, timeout=30)
-    shutil.copy(d / "client_key.pub", d / "authorized_keys")
-    port = _free_port()
-    (d / "sshd_config").write_text(
-        f"ListenAddress 127.0.0.2:{port}\nListenAddress 127.0.0.3:{port}\n"
-        f"HostKey {d / 'host_key'}\nAuthorizedKeysFile {d / 'authorized_keys'}\n"
-        f"PidFile {d / 'sshd.pid'}\nStrictModes no\nUsePAM no\nPasswordAuthentication no\n"
-        "KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n")
-    (d / "ssh_config").write_text(
-        "Host tfdp-a\n  HostName 127.0.0.2\nHost tfdp-b\n  HostName 127.0.0.3\n"
-        "Host tfdp-down\n  HostName 127.0.0.4\n"
-        f"Host *\n  Port {port}\n  IdentityFile {d / 'client_key'}\n  IdentitiesOnly yes\n"
-        "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n")
-    if os.geteuid() == 0:
-        os.makedirs("/run/sshd", exist_ok=True)  # Debian's sshd needs its privilege-separation dir
-    log = open(d / "sshd.log", "w")
-    server = subprocess.Popen([SSHD, "-D", "-e", "-f", str(d / "sshd_config")], stdout=log,
-                              stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 30
-        while not (_reachable("127.0.0.2", port) and _reachable("127.0.0.3", port)):
-            if server.poll() is not None or time.monotonic() > deadline:
-                pytest.skip(f"sshd did not start: {(d / 'sshd.log').read_text()}")
-            time.sleep(0.05)  # polling a port; the deadline bounds it
-        yield str(d / "ssh_config")
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        log.close()
-
-
-ADDRESSES = ("--address", "tfdp-a=127.0.0.2", "--address", "tfdp-b=127.0.0.3")
 
 
 def _command(ssh_config, hosts, *flags, worker=(sys.executable, FAKE_WORKER),

@@ -8,7 +8,7 @@ Rules under test (tfdp.resilience.preemption):
   relaunch resumes step-exactly. A signal outside the set keeps the handler it had.
 * A preemption signal whose handler before ``fit`` was a Python function (submitit's) is
   handed to that function once the backup exists.
-* Under a real Slurm (the controller and two emulated nodes of tests/test_slurm.py, whose
+* Under a real Slurm (the controller and two emulated nodes of tests/slurm_cluster.py, whose
   fixture and helpers these tests reuse): USR1 to the batch script (what ``sbatch
   --signal=B:USR1@120`` sends), forwarded by its trap to the tasks, or USR2 to the tasks
   (``--signal=USR2@90``), ends with 143 and ``scontrol requeue``; the requeued job resumes at
@@ -34,17 +34,14 @@ from tfdp.callbacks import Preempted
 from tfdp.protocol import EXIT_PREEMPTED, PREEMPTION_SIGNALS_ENV
 from tfdp.resilience.preemption import PreemptionWatcher, preemption_signals
 
-import test_slurm
-from test_slurm import WORKER, _assert_close, _reference, _steps, _weights, held_at_13
-from test_slurm import slurm  # noqa: F401  the module fixture: a real controller, nodes n1, n2
+from slurm_cluster import (MISSING, SKIP_REASON, WORKER, assert_close, held_at_13,
+                           reference_weights, saved_weights, steps_of)
+from slurm_cluster import slurm  # noqa: F401  the module fixture: a real controller, nodes n1, n2
 
 WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers")
 HANDLED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 STEPS = 2 * 8  # 2 epochs x 256 examples / global batch 32
-needs_slurm = pytest.mark.skipif(
-    bool(test_slurm._missing),  # noqa: SLF001  the suite's one check for the Slurm daemons
-    reason=f"Slurm is not installed ({', '.join(test_slurm._missing)} missing): apt-get install "
-           "slurmctld slurmd slurm-client")
+needs_slurm = pytest.mark.skipif(bool(MISSING), reason=SKIP_REASON)
 
 
 # --- which signals -------------------------------------------------------------------------
@@ -159,7 +156,7 @@ def test_a_preemption_signal_backs_up_exits_143_and_the_relaunch_is_exact(
     # What the requeued job does: the same script again, resuming at step 12.
     resumed, backup = _fit(tmp_path, [sender])
     assert backup.restored_step == 11 and sender.steps[11:] == list(range(12, STEPS + 1))
-    _assert_close(resumed.get_weights(), uninterrupted)
+    assert_close(resumed.get_weights(), uninterrupted)
 
 
 def test_guard_a_signal_outside_the_set_keeps_its_handler(tmp_path, own_handlers):
@@ -280,12 +277,12 @@ exit $code
 """
 
 def _check_resumed_exactly(out):
-    reference = _reference(epochs=3)
+    reference = reference_weights(epochs=3)
     for rank in range(2):
-        steps = _steps(out, rank)
+        steps = steps_of(out, rank)
         assert [it for launch, it in steps if launch == 0] == list(range(1, 14))
         assert [it for launch, it in steps if launch == 1] == list(range(14, 25))  # none twice
-        _assert_close(_weights(out, rank), reference)
+        assert_close(saved_weights(out, rank), reference)
 
 
 @pytest.mark.slow

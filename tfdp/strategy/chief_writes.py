@@ -49,7 +49,7 @@ import tempfile
 import threading
 
 __all__ = ["activate", "deactivate", "per_worker_path", "should_redirect", "handling_enabled",
-           "private_root", "active_worker", "CHIEF_WRITES_ENV"]
+           "private_root", "CHIEF_WRITES_ENV"]
 
 log = logging.getLogger("tfdp")
 
@@ -170,11 +170,6 @@ class _Worker:
 
 _worker: _Worker | None = None
 _exempt: set = set()
-
-
-def active_worker():
-    """The job this process takes part in (rank, is_chief), or None outside a multi-worker job."""
-    return _worker
 
 
 def activate(cluster) -> None:
