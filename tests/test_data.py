@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import tfdp
 from tfdp import data as tdata
-from tfdp.data import errors as errors_lib
+from tfdp import said_once
 from helpers import cpu_devices
 from data_helpers import collect, fake_workers, flat, global_steps, step_sets
 
@@ -343,7 +343,7 @@ def test_latest_distributed_is_a_weak_reference(strategy):
 # --- logging ------------------------------------------------------------------------------------
 
 def test_auto_choice_is_info_not_warning(strategy, caplog):
-    errors_lib._logged_messages.clear()
+    said_once.forget()  # the message may have been said by an earlier test
     with caplog.at_level(logging.DEBUG, logger="tfdp"):
         tdata.distribute(strategy, tf.data.Dataset.range(8), 4)
     records = [r for r in caplog.records if "chose" in r.getMessage()]

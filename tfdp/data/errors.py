@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 
+from tfdp import said_once
+
 log = logging.getLogger("tfdp")
-_logged_messages: set = set()
 
 
 class DataShardingError(ValueError):
@@ -19,7 +20,5 @@ class DataShardingError(ValueError):
 
 def log_once(message, *args):
     """``log.info(message, *args)`` the first time this process sees (message, args)."""
-    key = (message, args)
-    if key not in _logged_messages:
-        _logged_messages.add(key)
+    if said_once.first_time("tfdp.data", (message, args)):
         log.info(message, *args)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import warnings
 
+from tfdp import said_once
+
 __all__ = ["UNAVAILABLE", "missing_attribute", "ProcessSet", "global_process_set",
            "add_process_set", "remove_process_set", "start_timeline", "stop_timeline",
            "broadcast_global_variables", "BroadcastGlobalVariablesHook"]
@@ -56,12 +58,8 @@ def remove_process_set(process_set):
     raise NotImplementedError("tfdp.horovod: process sets are not supported.")
 
 
-_said = set()
-
-
 def _once(what, message):
-    if what not in _said:
-        _said.add(what)
+    if said_once.first_time("tfdp.horovod", what):
         warnings.warn(message, stacklevel=3)
 
 

@@ -43,7 +43,7 @@ import logging
 
 import tensorflow as tf
 
-from tfdp import _tf_private
+from tfdp import _tf_private, said_once
 from tfdp.cluster import ClusterConfig
 from tfdp.strategy import (collectives, deadline, keras_integration, lifecycle, randomness,
                            sharded_parameters, sharded_units)
@@ -62,14 +62,10 @@ _KEY_RANGE = 1_000_000
 _key_bases = itertools.count(1)
 
 
-_said_shared = set()
-
-
 def _say_shared_gpu_once(requested, shared):
     """Logs once per shared GPU why "auto" picked ring collectives."""
-    if shared is None or requested != "auto" or shared in _said_shared:
+    if shared is None or requested != "auto" or not said_once.first_time("shared GPU", shared):
         return
-    _said_shared.add(shared)
     log.warning("tfdp: %s; NCCL refuses two ranks on one GPU, so communication='auto' uses "
                 "ring collectives.", describe_shared_gpu(shared))
 

@@ -34,7 +34,7 @@ import threading
 import keras
 import tensorflow as tf
 
-from tfdp import _tf_private
+from tfdp import _tf_private, said_once
 from tfdp.strategy import sharded_parameters
 
 __all__ = ["install_keras_hooks", "is_unit", "resolve_unit_layers"]
@@ -44,7 +44,6 @@ log = logging.getLogger("tfdp")
 # Per replica (each replica traces its step in a thread of its own): how deep inside units the
 # current call is, and the outputs of the last units of the graph being traced.
 _state = threading.local()
-_said = set()
 
 
 def resolve_unit_layers(unit_layers) -> tuple:
@@ -84,8 +83,7 @@ def is_unit(layer, unit_layers=()) -> bool:
     if not any(sharded_parameters.is_sharded(v) for v in layer.trainable_variables):
         return False
     if layer.non_trainable_variables:
-        if named and type(layer).__name__ not in _said:
-            _said.add(type(layer).__name__)
+        if named and said_once.first_time("unit_layers", type(layer).__name__):
             log.warning("tfdp: %s is named in unit_layers but holds non-trainable state "
                         "(BatchNorm statistics or a random seed), which recomputing it in the "
                         "backward pass would update twice; its sublayers are units instead.",

@@ -47,7 +47,7 @@ import weakref
 
 import tensorflow as tf
 
-from tfdp import _tf_private
+from tfdp import _tf_private, said_once
 from tfdp.strategy import replica_batch
 
 __all__ = ["PER_EXAMPLE", "SHARED", "lookup_kind", "reduce_indexed_slices", "lookup_plans",
@@ -57,7 +57,6 @@ log = logging.getLogger("tfdp")
 
 PER_EXAMPLE, SHARED = "per_example", "shared"
 _NO_BATCH = object()
-_warned: set = set()
 
 
 def lookup_kind(ids_shape, batch=_NO_BATCH) -> str:
@@ -169,9 +168,8 @@ def _plan(slices, batch):
 def _warn_unknown(slices):
     shape = tf.get_static_value(slices.dense_shape)
     key = str(list(shape) if shape is not None else slices.values.shape)
-    if key in _warned:
+    if not said_once.first_time("sparse gradients", key):
         return
-    _warned.add(key)
     log.warning("tfdp: cannot tell which lookups the rows of a sparse gradient (of a %s table) "
                 "come from; reduced by TensorFlow's all-gather, which is one device's result "
                 "for per-example lookups (token ids) but not for a lookup shared by the batch "

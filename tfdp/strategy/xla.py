@@ -31,13 +31,12 @@ tf.distribute strategy.
 from __future__ import annotations
 
 import logging
-import threading
 import weakref
 
 import keras
 import tensorflow as tf
 
-from tfdp import _tf_private
+from tfdp import _tf_private, said_once
 from tfdp.strategy import (collectives, deadline, is_data_parallel, sharded_parameters,
                            sparse_gradients, timing)
 
@@ -366,16 +365,9 @@ def _observe_batch(data):
     timing.mark_batch_in_hand(data)
 
 
-_warned = set()
-_warn_lock = threading.Lock()
-
-
 def _warn_once(key, message, *args):
-    with _warn_lock:
-        if key in _warned:
-            return
-        _warned.add(key)
-    log.warning(message, *args)
+    if said_once.first_time("xla", key):
+        log.warning(message, *args)
 
 
 def _make_step_function(model, kind, original, force):
