@@ -651,6 +651,21 @@ def test_workers_of_one_host_split_its_gpus_when_nobody_chose():
     assert gpus.local_position(["[::1]:1", "[::1]:2"], 1) == (1, 2)
 
 
+def test_one_rule_for_a_workers_host():
+    # Local ranks (Horovod's environment, tfdp-run --verbose) and GPU splits use one rule:
+    # before, GPU splits took a bare host for "" and Horovod's ranks kept IPv6 brackets.
+    from tfdp.cluster import gpus, placement
+    from tfdp.launcher import horovodrun
+    assert [placement.host_of(a) for a in ("a:1", "a", "[::1]:7", "[::1]", "10.0.0.1:9")] == [
+        "a", "a", "::1", "::1", "10.0.0.1"]
+    mixed = ["a", "a:2", "[::1]:1", "[::1]", "b:1"]
+    want = [(0, 2), (1, 2), (0, 2), (1, 2), (0, 1)]
+    assert [gpus.local_position(mixed, r) for r in range(5)] == want
+    assert horovodrun.local_ranks(mixed) == want
+    assert [(p.local_rank, p.local_size) for p in
+            (placement.placement_of(mixed, r) for r in range(5))] == want
+
+
 def test_the_strategy_takes_its_share_of_the_hosts_gpus(monkeypatch):
     from tfdp.strategy import devices
 

@@ -14,21 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from tfdp.cluster.placement import host_of, placement_of
+
 __all__ = ["host_of", "local_position", "local_gpus", "shared_host_gpus"]
-
-
-def host_of(address: str) -> str:
-    """The host part of ``host:port`` (IPv6 brackets removed)."""
-    return str(address).rpartition(":")[0].strip("[]")
 
 
 def local_position(workers: Sequence[str], rank: int) -> tuple[int, int]:
     """``(local_rank, local_size)``: the position of worker ``rank`` among the workers on its
-    host (in rank order), and how many there are. Example: ``["a:1", "a:2", "b:1"]``, rank 1
-    -> ``(1, 2)``."""
-    hosts = [host_of(w) for w in workers]
-    mine = hosts[rank]
-    return hosts[:rank].count(mine), hosts.count(mine)
+    host (in rank order), and how many there are (``tfdp.cluster.placement``'s rule). Example:
+    ``["a:1", "a:2", "b:1"]``, rank 1 -> ``(1, 2)``."""
+    p = placement_of(workers, rank)
+    return p.local_rank, p.local_size
 
 
 def local_gpus(local_rank: int, local_size: int, num_gpus: int,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-__all__ = ["Placement", "placement_of", "placement", "horovod_environment"]
+__all__ = ["Placement", "host_of", "placement_of", "placement", "horovod_environment"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,8 +30,14 @@ class Placement:
     homogeneous: bool
 
 
-def _host(address: str) -> str:
-    return str(address).rsplit(":", 1)[0]
+def host_of(address: str) -> str:
+    """The host of ``host:port`` or of a bare host (IPv6 brackets removed): the one rule for
+    which workers share a host (local ranks, GPU splits, Horovod's environment)."""
+    text = str(address)
+    host, sep, port = text.rpartition(":")
+    if not sep or text.endswith("]") or not port.isdigit():
+        host = text  # no port: a bare host name, or a bracketed IPv6 address
+    return host.strip("[]")
 
 
 def placement_of(addresses: Sequence[str], rank: int) -> Placement:
@@ -40,7 +46,7 @@ def placement_of(addresses: Sequence[str], rank: int) -> Placement:
     size = len(addresses)
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is not one of the job's {size} workers")
-    hosts = [_host(a) for a in addresses]
+    hosts = [host_of(a) for a in addresses]
     local = [hosts[:r].count(hosts[r]) for r in range(size)]
     per_host = {h: hosts.count(h) for h in hosts}
     mine = local[rank]
