@@ -220,11 +220,11 @@ def test_np_fills_the_hosts_in_order_as_horovodrun_does(tmp_path, capsys):
 
 def translate(*argv, environ=None):
     """horovodrun.translate of the flags as given, and parse_args's result (which applies it)."""
-    from tfdp.launcher import cli
+    from tfdp.launcher import arguments
 
-    parser = cli._parser()
+    parser = arguments._parser()
     given = parser.parse_args([*argv, "python", "train.py"])
-    given.host_list = cli._host_list(parser, given)
+    given.host_list = arguments._host_list(parser, given)
     return (horovodrun.translate(horovodrun.given(given), environ or {}),
             parse_args([*argv, "python", "train.py"]))
 

@@ -3,7 +3,8 @@
     tfdp-run --workers N [options] -- python train.py
     tfdp-run --hosts a:2,b:2 [options] -- python train.py        (or --hostfile FILE)
 
-The full reference (flags, output, logs, exit codes, hosts) is docs/launcher.md. Pure Python.
+The full reference (flags, output, logs, exit codes, hosts) is docs/launcher.md; the flags
+and their checks are :mod:`tfdp.launcher.arguments`. Pure Python.
 
 Every *attempt* (the first launch, and each restart) gives each worker fresh free ports in
 ``TF_CONFIG`` (built with :class:`tfdp.ClusterConfig`; ranks 0..W-1 in slot order, so rank 0,
@@ -55,7 +56,6 @@ Exit codes (names in :mod:`tfdp.protocol`):
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import shutil
@@ -66,10 +66,10 @@ import threading
 import time
 
 from tfdp.launcher import horovodrun
+from tfdp.launcher.arguments import DEFAULT_START_TIMEOUT, parse_args  # noqa: F401  (kept here)
 from tfdp.launcher import policy as restart_policy
 from tfdp.launcher import processes
-from tfdp.launcher.hosts import HostsError, parse_hostfile, parse_hosts, ranks_by_host, slot_hosts, \
-    with_addresses
+from tfdp.launcher.hosts import ranks_by_host, slot_hosts
 from tfdp.launcher.processes import Attempt, SshConfig, WorkerLog, free_ports
 from tfdp.protocol import (CPU_REPLICAS_ENV, DEFAULT_GRACE_SECONDS, EVICT_FILE,
                            EXIT_CANNOT_START, EXIT_INTERRUPTED, EXIT_NEVER_JOINED,
@@ -88,7 +88,6 @@ TAIL_LINES = 40
 NEVER_JOINED_GRACE_SECONDS = 5.0
 # Quiet TensorFlow's C++ logging (coordination service, gRPC server INFO lines) in workers.
 TF_CPP_LOG_ENV, TF_CPP_QUIET = "TF_CPP_MIN_LOG_LEVEL", "2"
-DEFAULT_START_TIMEOUT = 300.0
 
 
 def tf_configs(num_workers: int, ports, host: str = "127.0.0.1") -> list:
@@ -423,151 +422,6 @@ class Launcher:
         for message in decision.messages:
             self.log(message)
         return decision.exit_code
-
-
-def _parser():
-    parser = argparse.ArgumentParser(
-        prog="tfdp-run", description="Start tfdp workers with TF_CONFIG, here or over ssh.",
-        usage="tfdp-run (--workers N | -np N | --hosts H:N,... | --hostfile FILE) [options] -- "
-              "CMD ...",
-        epilog="Reference: docs/launcher.md")
-    add = parser.add_argument
-    add("--workers", type=int, default=None,
-        help="number of worker processes (on this machine unless --hosts/--hostfile)")
-    add("--cpu-replicas", type=int, default=None,
-        help="logical CPU replicas per worker (sets TFDP_CPU_REPLICAS)")
-    add("--max-restarts", type=int, default=None,
-        help="restart all workers after a failure, up to this many times over the whole job "
-             "(default 0: no restart)")
-    add("--min-workers", type=int, default=None,
-        help="with --max-restarts: drop a worker slot (a host: all its slots) that cannot come "
-             "back or is evicted, and continue while at least this many remain (default: "
-             "all workers, no elasticity)")
-    add("--grace-period", type=float, default=DEFAULT_GRACE_SECONDS,
-        help="seconds workers get to stop (back up) after SIGTERM before SIGKILL (default "
-             f"{DEFAULT_GRACE_SECONDS:g}; sets {GRACE_ENV})")
-    add("--timeout", type=float, default=None,
-        help="stop the job after this many seconds, across restarts (exit 124)")
-    add("--start-timeout", type=float, default=None,
-        help="seconds (per attempt) for every worker to create its DataParallelStrategy (join "
-             f"the cluster; default {DEFAULT_START_TIMEOUT:g}); 0 disables the check (exit 125)")
-    out = parser.add_argument_group("output")
-    out.add_argument("--output", choices=("chief", "all"), default="chief",
-                     help="chief (default): the terminal shows the chief's output; all: every "
-                          "worker's, prefixed [w<rank>]")
-    out.add_argument("--log-dir", default=None,
-                     help="where each worker's output is written (attempt-<k>/worker-<slot>.log; "
-                          "default: a new tfdp-run-logs-* directory in the temporary directory)")
-    out.add_argument("--tf-cpp-logs", action="store_true",
-                     help="let workers print TensorFlow's C++ INFO/WARNING lines (by default "
-                          "tfdp-run sets TF_CPP_MIN_LOG_LEVEL=2 unless it is set)")
-    hosts = parser.add_argument_group("many hosts (over ssh)")
-    where = hosts.add_mutually_exclusive_group()
-    where.add_argument("--hosts", "-H", default=None,
-                       help="HOST:SLOTS,... e.g. a:2,b:2; localhost runs here without ssh (-H "
-                            "is horovodrun's spelling)")
-    where.add_argument("--hostfile", "-hostfile", default=None,
-                       help="lines 'HOST slots=N'; # comments")
-    hosts.add_argument("--address", action="append", default=[], metavar="HOST=ADDR",
-                       help="the address peers dial for HOST's workers (default: the name)")
-    hosts.add_argument("--network-interface", action="append", default=[],
-                       metavar="[HOST=]IFACE",
-                       help="use this interface's IPv4 address (for every host, or one)")
-    hosts.add_argument("--env", "-x", action="append", default=[], metavar="NAME[=VALUE]",
-                       help="pass this variable to remote workers too (TF_*, TFDP_*, CUDA_*, "
-                            "NCCL_*, PYTHONPATH always are); =VALUE sets it for every worker")
-    hosts.add_argument("--ssh-port", "-p", type=int, default=None, help="ssh -p PORT")
-    hosts.add_argument("--ssh-config", default=None, help="ssh -F FILE")
-    hosts.add_argument("--ssh-option", action="append", default=[], metavar="OPTION",
-                       help="ssh -o OPTION (repeatable), e.g. IdentityFile=~/.ssh/job")
-    hosts.add_argument("--ssh-python", default=None,
-                       help="the Python tfdp-run's remote helper runs with (default: this "
-                            "Python's path if it exists there, else python3)")
-    horovodrun.add_flags(parser)
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
-    return parser
-
-
-def _host_list(parser, args):
-    """--hosts/--hostfile (+ --address, --network-interface) -> [Host], or None."""
-    try:
-        if args.hostfile:
-            try:
-                with open(args.hostfile) as f:
-                    hosts = parse_hostfile(f.read(), args.hostfile)
-            except OSError as e:
-                parser.error(f"--hostfile {args.hostfile}: {e.strerror}")
-        elif args.hosts:
-            hosts = parse_hosts(args.hosts)
-        else:
-            if args.address or args.network_interface:
-                parser.error("--address/--network-interface need --hosts or --hostfile")
-            return None
-        return with_addresses(hosts, args.address, args.network_interface)
-    except HostsError as e:
-        parser.error(str(e))
-
-
-def _env_args(parser, values):
-    names, settings = [], {}
-    for value in values:
-        name, sep, setting = value.partition("=")
-        if not name or not (name[0].isalpha() or name[0] == "_"):
-            parser.error(f"--env {value}: expected NAME or NAME=VALUE")
-        if sep:
-            settings[name] = setting
-        elif name not in os.environ:
-            parser.error(f"--env {name}: {name} is not set here; export it, or give "
-                         f"--env {name}=VALUE")
-        names.append(name)
-    return names, settings
-
-
-def parse_args(argv):
-    parser = _parser()
-    args = parser.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    try:  # horovodrun's flags in tfdp-run's terms (tfdp/launcher/horovodrun.py)
-        args.network_interface = horovodrun.network_interfaces(
-            args.network_interface + args.network_interfaces)
-        args.host_list = _host_list(parser, args)
-        horovodrun.apply(args, os.environ, DEFAULT_START_TIMEOUT)
-    except horovodrun.HorovodrunFlagError as e:
-        parser.error(str(e))
-    if not command:
-        parser.error("no command given; write: tfdp-run --workers 2 -- python train.py")
-    if args.host_list is not None:
-        slots = sum(h.slots for h in args.host_list)
-        if args.workers not in (None, slots):
-            parser.error(f"--workers {args.workers} but the hosts have {slots} slots; leave out "
-                         "--workers or make them agree")
-        args.workers = slots
-    elif args.workers is None:
-        parser.error("give --workers N (this machine), or --hosts/--hostfile")
-    if args.workers < 1:
-        parser.error(f"--workers {args.workers}: need at least 1 worker")
-    if args.cpu_replicas is not None and args.cpu_replicas < 1:
-        parser.error(f"--cpu-replicas {args.cpu_replicas}: need at least 1")
-    if args.max_restarts < 0:
-        parser.error(f"--max-restarts {args.max_restarts}: must be 0 or more")
-    if args.min_workers is None:
-        args.min_workers = args.workers
-    if not 1 <= args.min_workers <= args.workers:
-        parser.error(f"--min-workers {args.min_workers}: must be between 1 and --workers "
-                     f"{args.workers}")
-    if args.min_workers < args.workers and args.max_restarts == 0:
-        parser.error(f"--min-workers {args.min_workers} needs --max-restarts: a worker slot is "
-                     "dropped only when the job restarts; add e.g. --max-restarts 3")
-    if args.grace_period < 0:
-        parser.error(f"--grace-period {args.grace_period:g}: must be 0 or more seconds")
-    args.env_names, args.env_values = _env_args(parser, args.env)
-    if args.log_dir:
-        try:
-            os.makedirs(args.log_dir, exist_ok=True)
-        except OSError as e:
-            parser.error(f"--log-dir {args.log_dir}: cannot create it ({e.strerror})")
-    args.command = command
-    return args
 
 
 def main(argv=None) -> int:
