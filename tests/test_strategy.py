@@ -319,6 +319,22 @@ def test_a_rider_without_a_static_shape_is_refused_by_name():
         collectives.remove_gradient_rider(strategy, rider)
 
 
+def test_a_strategy_wide_rider_goes_with_its_strategy():
+    # Riders were keyed by id(strategy): a new strategy could reuse a dead one's id and
+    # inherit its riders. They are held on the strategy, weakly.
+    import gc
+
+    from tfdp.strategy import riders
+
+    before = riders.strategy_riders()
+    strategy = tfdp.DataParallelStrategy(devices=cpu_devices(2))
+    riders.add_gradient_rider(strategy, object())
+    assert riders.strategy_riders() == before + 1
+    del strategy
+    gc.collect()
+    assert riders.strategy_riders() == before
+
+
 # --- Keras features ----------------------------------------------------------------------
 
 def test_evaluate_and_predict_match_single_device():

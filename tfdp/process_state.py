@@ -93,7 +93,7 @@ HOLDERS = (
     Holder("horovod elastic", "tfdp.horovod.elastic",
            lambda m: (m._private_dir, m._counter[0]),
            lambda m: (_set(m, "_private_dir", None), m._counter.__setitem__(0, 0))),
-    Holder("riders", "tfdp.strategy.collectives", lambda m: len(m._riders),
+    Holder("riders", "tfdp.strategy.riders", lambda m: m.strategy_riders(),
            lambda m: m._riders.clear()),
     Holder("timing listeners", "tfdp.strategy.timing", lambda m: len(m._listeners),
            _clear_listeners),
