@@ -118,6 +118,8 @@ keras_integration.install(tfdp.ClusterConfig(
     cluster_spec={"worker": ("127.0.0.1:1", "127.0.0.1:2")}))
 
 installed = keras_integration.installed()
+features = {f: [f"{label(o)}.{n}" for o, n in entries]
+            for f, entries in keras_integration.installed_features().items()}
 unknown = sorted({label(o) for o, _ in installed if id(o) not in owners})
 changed = differences(before)
 restored = keras_integration.uninstall()
@@ -133,7 +135,8 @@ print("RESULT " + json.dumps({
     "installed": [f"{label(o)}.{n}" for o, n in installed], "unknown_owners": unknown,
     "changed": changed, "restored": restored, "left": left,
     "installed_after": [f"{label(o)}.{n}" for o, n in keras_integration.installed()],
-    "reinstalled": reinstalled, "clip_patched": clip_patched,
+    "reinstalled": reinstalled, "clip_patched": clip_patched, "features": features,
+    "features_after": keras_integration.installed_features(),
     "loss": float(loss), "loss2": float(loss2), "left_at_end": differences(before)}))
 """
 
@@ -159,6 +162,19 @@ def test_uninstall_leaves_keras_and_tensorflow_as_they_were_and_a_new_strategy_r
     assert r["clip_patched"]
     assert all(v == v and abs(v) < 1e6 for v in (r["loss"], r["loss2"])), r
     assert r["left_at_end"] == [], r["left_at_end"]
+    # Every patch came through one entry, require(feature), and is listed under its feature:
+    # the strategy's own, ShardedOptimizer's, StragglerMonitor's, the multi-worker ones.
+    features = r["features"]
+    for feature, example in (("gradients", "TFOptimizer._clip_gradients"),
+                             ("xla", "TensorFlowTrainer.make_train_function"),
+                             ("loss_scale_saving", "LossScaleOptimizer.save_own_variables"),
+                             ("collective_timing", "collective_ops.all_reduce_v2"),
+                             ("consensus", "CallbackList.on_epoch_end"), ("fit_input", "fit")):
+        assert any(name.endswith(example) for name in features.get(feature, ())), (
+            feature, features)
+    listed = sorted(name for names in features.values() for name in names)
+    assert sorted(set(r["installed"]) - set(listed)) == []
+    assert r["features_after"] == {}
 
 
 RELEASE = r"""

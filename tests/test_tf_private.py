@@ -331,7 +331,7 @@ def test_chief_writes_hooks_sit_where_keras_and_tensorflow_write(tmp_path):
     from tfdp.strategy import chief_writes
     from tfdp.strategy import consensus
 
-    chief_writes._install()
+    chief_writes.install()
     consensus.install()
     patched = [(saving_lib, "save_model"), (saving_lib, "save_weights_only"),
                (legacy_h5_format, "save_model_to_hdf5"), (keras.Model, "export"),

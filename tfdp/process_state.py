@@ -81,6 +81,8 @@ HOLDERS = (
     Holder("patches", "tfdp._tf_private.core",
            lambda m: tuple(sorted(f"{getattr(o, '__name__', o)}.{n}" for o, n in m.patched())),
            lambda m: m.restore_patches()),
+    Holder("features", "tfdp.strategy.keras_integration",
+           lambda m: tuple(sorted(m.installed_features())), lambda m: m._by_feature.clear()),
     Holder("job", "tfdp.strategy.lifecycle", lambda m: (m.job(), sys.exit.__module__),
            lambda m: m.release()),
     Holder("chief-writes redirect", "tfdp.strategy.chief_writes",

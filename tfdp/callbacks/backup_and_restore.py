@@ -158,7 +158,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._strategy = strategy
         self._dataset = dataset
         self._data, self._data_name = None, None
-        keras_integration.install_fit_input()  # before fit runs: the callback exists first
+        keras_integration.require("fit_input")  # before fit runs: the callback exists first
         self._watcher = None
         self._restart_request = None
         self.restored_step = None  # global step of the backup this run resumed from

@@ -15,7 +15,7 @@ import keras
 from tfdp.callbacks import _running
 from tfdp.callbacks.chief import cluster_of
 from tfdp.resilience import elastic, stragglers
-from tfdp.strategy import timing
+from tfdp.strategy import keras_integration, timing
 from tfdp.strategy.agreement import Agreement
 
 __all__ = ["StragglerMonitor"]
@@ -174,7 +174,7 @@ class StragglerMonitor(keras.callbacks.Callback):
     # --- the hooks: added per model instance only while the monitor is in use ----------------
     def _install_hooks(self):
         model, timer = self.model, self._timer
-        timing.install_collective_timing()
+        keras_integration.require("collective_timing")
         timer.listen()
         original_step = model.train_step
 

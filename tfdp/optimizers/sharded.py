@@ -96,9 +96,8 @@ from tfdp import _tf_private
 from tfdp.optimizers import exchange
 from tfdp.optimizers._layerwise import dense
 from tfdp.optimizers.sharded_state import (ConsolidatedState, StatePlacement, _is_stand_in,
-                                           install_loss_scale_saving_hooks,
                                            optimizer_state_bytes_per_replica)
-from tfdp.strategy import collectives, is_data_parallel, sparse_gradients
+from tfdp.strategy import collectives, is_data_parallel, keras_integration, sparse_gradients
 
 __all__ = ["ShardedOptimizer", "partition", "ACCUMULATION_MODES"]
 
@@ -224,7 +223,7 @@ class ShardedOptimizer(ConsolidatedState, keras.optimizers.Optimizer):
         self.inner_optimizer = optimizer
         self.accumulation = accumulation
         self._owners = None
-        install_loss_scale_saving_hooks(ShardedOptimizer)
+        keras_integration.require("loss_scale_saving")
 
     # --- the wrapped optimizer's hyper-parameters ----------------------------------------
     @property

@@ -48,7 +48,7 @@ import shutil
 import tempfile
 import threading
 
-__all__ = ["activate", "deactivate", "per_worker_path", "should_redirect", "handling_enabled",
+__all__ = ["activate", "deactivate", "install", "per_worker_path", "should_redirect", "handling_enabled",
            "private_root", "CHIEF_WRITES_ENV"]
 
 log = logging.getLogger("tfdp")
@@ -177,7 +177,7 @@ def activate(cluster) -> None:
     installs the hooks; called by ``DataParallelStrategy`` when there are several workers."""
     global _worker
     _worker = _Worker(cluster.rank, cluster.is_chief)
-    _install()
+    install()
 
 
 def deactivate() -> None:
@@ -395,7 +395,7 @@ def _tolerate_existing_directory(makedirs):
     return wrapper
 
 
-def _install():
+def install():
     """The patches (idempotent: ``_tf_private``'s registry patches once)."""
     from tfdp import _tf_private as tp
 

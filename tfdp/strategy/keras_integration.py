@@ -27,8 +27,11 @@ forgets the job, so a later strategy installs afresh. What it installs:
    paths (``chief_writes``), and ``EarlyStopping``-style decisions and restored epochs agree
    across workers (``consensus``).
 
-``ShardedOptimizer`` adds its ``LossScaleOptimizer`` saving hooks through the same registry
-when it is first built; ``uninstall`` removes them too.
+Every patch is installed through one entry, ``require(feature)``, by named feature
+(``FEATURES``): ``install`` requires the features above; ``ShardedOptimizer`` requires
+``"loss_scale_saving"`` when it is first built, ``BackupAndRestore`` ``"fit_input"``, and
+``StragglerMonitor`` ``"collective_timing"``. ``installed_features()`` lists, per feature, the
+attributes it replaced. ``uninstall`` (the older spelling of ``tfdp.reset()``) removes them all.
 
 The launcher-protocol side of a strategy (ready files, SIGTERM, leaving together at exit) is
 not Keras's and lives apart, in ``tfdp.strategy.lifecycle``.
@@ -42,10 +45,58 @@ from tfdp import _tf_private
 from tfdp.strategy import (chief_writes, collectives, consensus, randomness, sharded_parameters,
                            sharded_units, xla)
 
-__all__ = ["install", "uninstall", "installed", "install_fit_input", "fit_input", "at_fit_exit"]
+__all__ = ["install", "uninstall", "installed", "install_fit_input", "fit_input", "at_fit_exit",
+           "require", "installed_features", "FEATURES"]
 
 _FIT_INPUT = "_tfdp_fit_input"  # tfdp's own attribute on a model while its fit runs
 _FIT_EXIT = "_tfdp_fit_exit"  # what runs when that fit ends, however it ends
+
+
+def _loss_scale_saving():
+    from tfdp.optimizers import sharded, sharded_state
+
+    sharded_state.install_loss_scale_saving_hooks(sharded.ShardedOptimizer)
+
+
+def _collective_timing():
+    from tfdp.strategy import timing
+
+    timing.install_collective_timing()
+
+
+# feature -> the function that installs its patches (each idempotent).
+FEATURES = {
+    "gradients": lambda: collectives.install_keras_gradient_hooks(),
+    "zero3_moving_average": lambda: sharded_parameters.install_keras_hooks(),
+    "zero3_units": lambda: sharded_units.install_keras_hooks(),
+    "xla": lambda: xla.install_keras_hooks(),
+    "random_draws": lambda: randomness.install_keras_hooks(),
+    "fit_input": lambda: install_fit_input(),
+    "consensus": lambda: consensus.install(),
+    "chief_writes": lambda: chief_writes.install(),
+    "loss_scale_saving": _loss_scale_saving,
+    "collective_timing": _collective_timing,
+}
+_BASE = ("gradients", "zero3_moving_average", "zero3_units", "xla", "random_draws", "fit_input")
+_by_feature: dict = {}  # feature -> ((owner, attribute), ...) it replaced
+
+
+def require(feature: str) -> None:
+    """Installs ``feature``'s patches (``FEATURES``) if they are not in place (idempotent)."""
+    if feature not in FEATURES:
+        raise ValueError(f"unknown tfdp feature {feature!r}: one of {sorted(FEATURES)}")
+    before = set(_tf_private.patched())
+    FEATURES[feature]()
+    added = tuple(entry for entry in _tf_private.patched() if entry not in before)
+    if added or feature not in _by_feature:
+        _by_feature[feature] = _by_feature.get(feature, ()) + added
+
+
+def installed_features() -> dict:
+    """``{feature: [(owner, attribute), ...]}`` of the features required and still in place."""
+    present = set(_tf_private.patched())
+    return {f: [e for e in entries if e in present] for f, entries in _by_feature.items()
+            if any(e in present for e in entries)}
 
 
 def install(cluster=None) -> None:
@@ -56,25 +107,24 @@ def install(cluster=None) -> None:
             consensus patches are installed too, and this process writes as ``cluster``'s
             rank.
     """
-    collectives.install_keras_gradient_hooks()
-    sharded_parameters.install_keras_hooks()
-    sharded_units.install_keras_hooks()
-    xla.install_keras_hooks()
-    randomness.install_keras_hooks()
-    install_fit_input()
+    for feature in _BASE:
+        require(feature)
     if cluster is not None and cluster.is_multi_worker:
+        require("chief_writes")
         chief_writes.activate(cluster)
-        consensus.install()
+        require("consensus")
 
 
 def uninstall() -> int:
-    """Puts back every Keras and TensorFlow attribute tfdp replaced; returns how many.
+    """The older spelling of ``tfdp.reset()``; returns how many Keras and TensorFlow
+    attributes it put back.
 
     Strategies built before keep their own state but lose tfdp's Keras behaviour (reduction
     before clipping, the XLA step, per-replica draws, the chief writing): build a new strategy to install again.
     """
-    chief_writes.deactivate()
-    return _tf_private.restore_patches()
+    from tfdp import process_state
+
+    return len(process_state.reset().get("patches", ()))
 
 
 def installed() -> list:
