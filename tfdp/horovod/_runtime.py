@@ -210,26 +210,7 @@ def engine():
             import tfdp
             gpus = tf.config.list_logical_devices("GPU")
             device = gpus[0].name if gpus else "/device:CPU:0"
-            # The engine re-applies the server definition init() gave the context, which
-            # TensorFlow logs as a warning meant for a context that started without one.
-            # (TensorFlow's eager context logs through absl's logger.)
-            quiet = _DropMessage("Enabling collective ops after program startup")
-            loggers = [logging.getLogger("absl"), tf.get_logger()]
-            for logger in loggers:
-                logger.addFilter(quiet)
-            try:
-                state.strategy = tfdp.DataParallelStrategy(devices=[device],
-                                                           cluster=state.cluster)
-            finally:
-                for logger in loggers:
-                    logger.removeFilter(quiet)
+            # The engine keeps the collective server init() set TensorFlow's context up to run
+            # (tfdp._tf_private.reuse_running_collective_server): nothing is re-applied.
+            state.strategy = tfdp.DataParallelStrategy(devices=[device], cluster=state.cluster)
         return state.strategy
-
-
-class _DropMessage(logging.Filter):
-    def __init__(self, text):
-        super().__init__()
-        self.text = text
-
-    def filter(self, record):
-        return self.text not in record.getMessage()
