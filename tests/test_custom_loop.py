@@ -125,3 +125,57 @@ def test_custom_loop_example_on_two_workers(tmp_path):
     assert "[w1] epoch" not in out  # the chief reports for the job
     assert "ckpt-2.index" in os.listdir(model_dir)  # the chief's checkpoints, in place
     assert _noise(out + err) == [], out + err
+
+
+# --- the tf.distribute tutorial's loop, with Keras 3's optimizer.apply ----------------------
+
+def _tutorial_loop(strategy, x, y):
+    """TensorFlow's custom-loop tutorial as written for Keras 3: a batched dataset through
+    ``experimental_distribute_dataset``, ``strategy.run(step)`` inside a ``tf.function``, and
+    the optimizer left unbuilt until ``optimizer.apply`` in the traced step."""
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    if strategy is not None:
+        data = strategy.experimental_distribute_dataset(data)
+    scope = strategy.scope() if strategy is not None else tf.distribute.get_strategy().scope()
+    with scope:
+        model = mlp()
+        model.set_weights(initial_weights(mlp))
+        optimizer = keras.optimizers.Adam(0.05)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            per_example = loss_fn(yb, model(xb, training=True))
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+        optimizer.apply(tape.gradient(loss, model.trainable_variables),
+                        model.trainable_variables)
+        return loss
+
+    @tf.function
+    def train_step(xb, yb):
+        if strategy is None:
+            return step(xb, yb)
+        return strategy.reduce("SUM", strategy.run(step, args=(xb, yb)), axis=None)
+
+    losses = [float(train_step(xb, yb)) for xb, yb in data]
+    return model, losses
+
+
+@pytest.mark.parametrize("shard_parameters", [False, True], ids=["replicated", "zero3"])
+def test_the_tutorial_loop_with_a_lazily_built_optimizer_equals_one_device(shard_parameters):
+    # Under MirroredStrategy this loop fails at its first step ("You must feed a value for
+    # placeholder tensor"): the optimizer's variables are created inside the traced step.
+    # tfdp builds the optimizer outside it (tfdp._tf_private.patch_keras_optimizer_apply).
+    strategy = tfdp.DataParallelStrategy(cpu_devices(4), shard_parameters=shard_parameters,
+                                         shard_min_elements=64)
+    model, losses = _tutorial_loop(strategy, X, Y)
+    ref_model, ref_losses = _tutorial_loop(None, X, Y)
+    assert_weights_close(model.get_weights(), ref_model.get_weights())
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert len(losses) == STEPS
+
+
+def test_guard_under_mirrored_strategy_the_tutorial_loop_fails_in_its_first_step():
+    strategy = tf.distribute.MirroredStrategy(cpu_devices(4))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="must feed a value for placeholder"):
+        _tutorial_loop(strategy, X, Y)

@@ -132,6 +132,7 @@ from tfdp._tf_private.keras_optimizer import (
     patch_loss_scale_check_finite,
     patch_loss_scale_saving,
     patch_keras_apply_gradients,
+    patch_keras_optimizer_apply,
     patch_keras_moving_average_update,
     applying,
     applying_variables,
@@ -212,7 +213,7 @@ __all__ = [
     "variable_key", "patch_keras_gradient_reduction", "patch_loss_scale_check_finite",
     "patch_loss_scale_saving", "WHOLE_STEP_METHODS", "overridden_step_methods",
     "advances_shared_state", "advance_shared_state", "optimizer_state_lists",
-    "replace_variable_storage", "patch_keras_apply_gradients", "patch_keras_moving_average_update", "applying", "applying_variables",
+    "replace_variable_storage", "patch_keras_apply_gradients", "patch_keras_optimizer_apply", "patch_keras_moving_average_update", "applying", "applying_variables",
     # sharded_variable
     "SHARDED_VARIABLE_HOOKS", "ShardedVariable", "broadcast_initial_value", "current_replica_id",
     "create_sharded_variable", "is_sharded_variable", "sharded_container", "reading_slices",

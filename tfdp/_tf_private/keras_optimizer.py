@@ -255,6 +255,19 @@ def patch_keras_apply_gradients(make) -> None:
     _patch(TFOptimizer, "_backend_apply_gradients", make, "knowing the variables being updated")
 
 
+def patch_keras_optimizer_apply(make) -> None:
+    """Class patch of Keras's ``apply`` (TensorFlow backend): ``make(original) -> replacement``.
+
+    Why: ``apply`` builds an unbuilt optimizer where it is first called. In the tf.distribute
+    custom-loop idiom (``strategy.run(step)`` inside a ``tf.function``, ``step`` ending with
+    ``optimizer.apply``) that is inside the traced function, and TensorFlow's conditional
+    initialisation of variables created there fails under any multi-replica strategy
+    (MirroredStrategy too) with "You must feed a value for placeholder tensor ...". tfdp
+    builds the optimizer outside the function first; no public hook runs before the build.
+    """
+    _patch(TFOptimizer, "apply", make, "building an optimizer outside a traced step")
+
+
 def applying_variables():
     """The variables of the ``_backend_apply_gradients`` running in this thread, or None."""
     return getattr(_applying, "variables", None)

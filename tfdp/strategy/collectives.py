@@ -397,6 +397,20 @@ def _tfdp_strategy_in_replica_context(optimizer):
 SHARDED_HOOKS: dict = {}
 
 
+def _build_outside_the_step(optimizer, strategy, variables):
+    """Builds ``optimizer`` for ``variables`` eagerly, in ``strategy``'s scope, from inside a
+    traced replica step (``_tf_private.patch_keras_optimizer_apply`` says why): once, in
+    cross-replica context (``merge_call``), out of the function being traced."""
+    variables = list(variables)
+
+    def build(_):
+        if not optimizer.built:
+            with tf.init_scope(), strategy.scope():
+                optimizer.build(variables)
+
+    tf.distribute.get_replica_context().merge_call(build)
+
+
 def install_keras_gradient_hooks():
     """Makes Keras reduce gradients *before* clipping under a tfdp strategy.
 
@@ -464,5 +478,15 @@ def install_keras_gradient_hooks():
 
     _tf_private.patch_keras_gradient_reduction(make_clip_gradients,
                                                make_all_reduce_sum_gradients)
+    def make_apply(original_apply):
+        def apply(self, grads, trainable_variables=None):
+            strategy = _tfdp_strategy_in_replica_context(self)
+            if (strategy is not None and not self.built and trainable_variables is not None
+                    and tf.inside_function()):
+                _build_outside_the_step(self, strategy, trainable_variables)
+            return original_apply(self, grads, trainable_variables)
+        return apply
+
     _tf_private.patch_keras_apply_gradients(make_apply_gradients)
+    _tf_private.patch_keras_optimizer_apply(make_apply)
     _tf_private.patch_loss_scale_check_finite(make_check_finite)
