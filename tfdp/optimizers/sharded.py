@@ -96,6 +96,7 @@ from tfdp import _tf_private
 from tfdp.optimizers import exchange
 from tfdp.optimizers._layerwise import dense
 from tfdp.optimizers.sharded_state import (ConsolidatedState, StatePlacement, _is_stand_in,
+                                           install_loss_scale_saving_hooks,
                                            optimizer_state_bytes_per_replica)
 from tfdp.strategy import collectives, is_data_parallel, keras_integration, sparse_gradients
 
@@ -537,3 +538,9 @@ class ShardedOptimizer(ConsolidatedState, keras.optimizers.Optimizer):
             inner = keras.saving.deserialize_keras_object(spec, custom_objects=custom_objects)
         allowed = {"name", "accumulation"}
         return cls(inner, **{k: v for k, v in config.items() if k in allowed})
+
+
+# ShardedOptimizer's LossScaleOptimizer saving hooks, installed through the one entry
+# (keras_integration.require) when a ShardedOptimizer is first built.
+keras_integration.add_feature("loss_scale_saving",
+                              lambda: install_loss_scale_saving_hooks(ShardedOptimizer))

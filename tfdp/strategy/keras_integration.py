@@ -46,16 +46,10 @@ from tfdp.strategy import (chief_writes, collectives, consensus, randomness, sha
                            sharded_units, xla)
 
 __all__ = ["install", "uninstall", "installed", "install_fit_input", "fit_input", "at_fit_exit",
-           "require", "installed_features", "FEATURES"]
+           "require", "add_feature", "installed_features", "FEATURES"]
 
 _FIT_INPUT = "_tfdp_fit_input"  # tfdp's own attribute on a model while its fit runs
 _FIT_EXIT = "_tfdp_fit_exit"  # what runs when that fit ends, however it ends
-
-
-def _loss_scale_saving():
-    from tfdp.optimizers import sharded, sharded_state
-
-    sharded_state.install_loss_scale_saving_hooks(sharded.ShardedOptimizer)
 
 
 def _collective_timing():
@@ -64,7 +58,8 @@ def _collective_timing():
     timing.install_collective_timing()
 
 
-# feature -> the function that installs its patches (each idempotent).
+# feature -> the function that installs its patches (each idempotent). A layer above the
+# strategy adds its own with ``add_feature`` (ShardedOptimizer: "loss_scale_saving").
 FEATURES = {
     "gradients": lambda: collectives.install_keras_gradient_hooks(),
     "zero3_moving_average": lambda: sharded_parameters.install_keras_hooks(),
@@ -74,11 +69,15 @@ FEATURES = {
     "fit_input": lambda: install_fit_input(),
     "consensus": lambda: consensus.install(),
     "chief_writes": lambda: chief_writes.install(),
-    "loss_scale_saving": _loss_scale_saving,
     "collective_timing": _collective_timing,
 }
 _BASE = ("gradients", "zero3_moving_average", "zero3_units", "xla", "random_draws", "fit_input")
 _by_feature: dict = {}  # feature -> ((owner, attribute), ...) it replaced
+
+
+def add_feature(feature: str, install_patches) -> None:
+    """Makes ``feature`` installable by ``require`` (a module above tfdp.strategy)."""
+    FEATURES.setdefault(feature, install_patches)
 
 
 def require(feature: str) -> None:
