@@ -38,6 +38,14 @@ pytestmark = pytest.mark.slow
 
 EXACT = 1e-5
 NAMES = sorted(cases.MODELS)
+# The suite's time is bounded (README): every model under 4 replicas and on 2 workers x 2;
+# each other mode on the models that exercise what it changes (ShardedOptimizer: sparse
+# embedding rows of BERT's three tables and GPT-2's tied one; ZeRO-3: GPT-2's tied embedding
+# sliced, Gemma's frozen LoRA bases sliced beside trainable factors; bf16: BERT). Every model
+# under every mode was measured once (docs/models.md): within 3e-8..1.5e-7 in float32.
+SHARDED_OPTIMIZER_NAMES = ["bert", "gpt2"]
+ZERO3_NAMES = ["gemma_lora", "gpt2"]
+BF16_NAMES = ["bert"]
 
 
 @functools.cache
@@ -94,7 +102,7 @@ def test_guard_dropout_masks_matter():
     assert cases.max_gap(model.get_weights(), one_device("gpt2")) > 100 * EXACT
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", SHARDED_OPTIMIZER_NAMES)
 def test_sharded_optimizer_trains_like_one_device(name):
     model = cases.train(name, initial(name), replicas4(), wrap=tfdp.ShardedOptimizer)
     assert isinstance(model.optimizer, tfdp.ShardedOptimizer)
@@ -104,7 +112,7 @@ def test_sharded_optimizer_trains_like_one_device(name):
     check_lora(model, name)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ZERO3_NAMES)
 def test_sharded_parameters_train_like_one_device(name):
     # 256 elements: the embeddings, attention and feed-forward kernels (and the LoRA
     # factors' frozen bases) are sliced 4 ways; biases and norm scales (32) stay whole.
@@ -129,7 +137,7 @@ def test_sharded_parameters_train_like_one_device(name):
 BF16_BOUND = {"gpt2": (1e-2, 5e-2), "bert": (5e-4, 1e-2), "gemma_lora": (1e-3, 3e-2)}
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", BF16_NAMES)
 def test_mixed_bfloat16_stays_within_the_rounding_bound_of_one_device(name):
     with dtype_policy("mixed_bfloat16"):
         model = cases.train(name, initial(name), replicas4())
