@@ -31,6 +31,9 @@ def test_the_message_names_the_step_the_worker_the_limit_and_the_fix():
     message = deadline.overdue_message("a training step", 4.0, 1, 3)
     assert "a training step on worker 1 of 3 did not finish within 4 s" in message
     assert "timeout_seconds" in message and "stuck outside the step" in message
+    # At a step function's first run each worker posts its arrival: the missing are named.
+    named = deadline.overdue_message("an evaluation step", 24.0, 0, 3, missing=[2])
+    assert "Worker(s) 2 never started it" in named and "stuck outside" not in named
 
 
 def _watchdog():

@@ -34,6 +34,10 @@ def launch(tmp_path, case, cpu_replicas=1, **env):
 
 
 CASES = {
+    # Keras's evaluate asks every worker, eagerly, whether any has data left before its first
+    # step (with arrays and with tfdp.data's input alike).
+    "evaluate": (2, "an eager cross-worker reduction (strategy.reduce, or, in Keras's "
+                 "predict and evaluate", "model.predict and model.evaluate on every worker"),
     # case: (cpu replicas, what the error names, words of the fix)
     "hvd_broadcast": (1, "tfdp.horovod's broadcast (hvd.broadcast, broadcast_variables",
                       "one under `if hvd.rank() == 0`"),
@@ -41,7 +45,7 @@ CASES = {
                    "make that call on every worker, not under `if is_chief`"),
     # Keras's predict asks every worker, eagerly, whether any has data left before each step.
     "zero3_predict": (2, "an eager cross-worker reduction (strategy.reduce, or, in Keras's "
-                      "predict", "model.predict on a distributed input, on every worker"),
+                      "predict", "model.predict and model.evaluate on every worker"),
 }
 
 

@@ -10,7 +10,8 @@ raised, ``rank R: <ErrorType>: <message>``; ``rank R: returned`` if it returned.
 Env knobs: TFDP_TEST_CASE: ``hvd_broadcast`` (``hvd.broadcast_variables`` under ``if
 hvd.rank() == 0``), ``zero3_save`` (``model.save_weights`` under ``if is_chief`` with
 ``shard_parameters=True``), ``zero3_predict`` (only the chief predicts with
-``shard_parameters=True``); TFDP_TEST_SKIP: ``1`` (default) worker 1 skips, ``none`` nobody
+``shard_parameters=True``), ``evaluate`` (only the chief evaluates, first evaluation);
+TFDP_TEST_SKIP: ``1`` (default) worker 1 skips, ``none`` nobody
 does (the guard: the same script then returns on both); TFDP_TIMEOUT_SECONDS: the deadline.
 """
 
@@ -31,8 +32,8 @@ rank = ClusterConfig.from_env().rank
 skips = skipper != "none" and rank == int(skipper)
 
 
-def zero3_model():
-    strategy = tfdp.DataParallelStrategy(shard_parameters=True, shard_min_elements=64)
+def zero3_model(shard_parameters=True):
+    strategy = tfdp.DataParallelStrategy(shard_parameters=shard_parameters, shard_min_elements=64)
     with strategy.scope():
         model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
                                   keras.layers.Dense(4)])
@@ -59,6 +60,12 @@ elif case == "zero3_save":
     model, _ = zero3_model()
     path = os.path.join(os.environ["TFDP_TEST_OUT"], f"weights-{rank}.weights.h5")
     call = lambda: model.save_weights(path)  # noqa: E731
+elif case == "evaluate":
+    model, x = zero3_model(shard_parameters=False)
+    # A distributed input, as fit's.
+    data = tfdp.data.distribute(model.distribute_strategy, tf.data.Dataset.from_tensor_slices(
+        (x, np.zeros((len(x), 4), "float32"))), global_batch_size=16)
+    call = lambda: model.evaluate(data, verbose=0)  # noqa: E731
 elif case == "zero3_predict":
     model, x = zero3_model()
     call = lambda: model.predict(x, batch_size=16, verbose=0)  # noqa: E731

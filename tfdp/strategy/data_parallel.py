@@ -424,10 +424,11 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             return super().reduce(reduce_op, value, axis)
 
 
-_EAGER_REDUCE = ("an eager cross-worker reduction (strategy.reduce, or, in Keras's predict, "
-                 "the distributed iterator asking every worker whether it has data left)")
+_EAGER_REDUCE = ("an eager cross-worker reduction (strategy.reduce, or, in Keras's predict and "
+                 "evaluate on arrays, the distributed iterator asking every worker whether it "
+                 "has data left)")
 _EAGER_REDUCE_FIX = (
-    "Call strategy.reduce, and model.predict on a distributed input, on every worker the "
+    "Call strategy.reduce, model.predict and model.evaluate on every worker the "
     "same number of times (not under `if is_chief`), each worker with the same number of "
     "batches; if a worker legitimately arrives this much later, raise timeout_seconds.")
 

@@ -57,10 +57,21 @@ def deadline_seconds(timeout_seconds, first: bool):
     return float(timeout_seconds) * (FIRST_STEP_FACTOR if first else 1)
 
 
-def overdue_message(what: str, seconds: float, rank: int, num_workers: int) -> str:
-    """The error of a step that ran past its deadline."""
+def overdue_message(what: str, seconds: float, rank: int, num_workers: int,
+                    missing=None) -> str:
+    """The error of a step that ran past its deadline.
+
+    Args:
+        missing: the ranks that never started this step function (known at its first run;
+            None: unknown).
+    """
     head = (f"tfdp: {what} on worker {rank} of {num_workers} did not finish within {seconds:g} s "
             "(DataParallelStrategy's timeout_seconds), so tfdp aborted its collectives. ")
+    if missing:
+        return head + (f"Worker(s) {', '.join(map(str, missing))} never started it: every "
+                       "worker must run it (an `if is_chief` around model.evaluate, predict or "
+                       "fit, or a worker stuck before it, leaves the others waiting). If a "
+                       "worker legitimately arrives this much later, raise timeout_seconds.")
     if num_workers == 1:
         return head + ("One of this process's replicas never reached a collective the others "
                        "wait in (a collective under a condition some replicas skip). If a step "
@@ -163,12 +174,27 @@ def watching(strategy, what: str, first: bool = False):
         yield
         return
     cluster = strategy.cluster
-    token = _watchdog.arm(seconds, functools.partial(overdue_message, what, seconds, cluster.rank,
-                                                     cluster.num_workers))
+    message = functools.partial(overdue_message, what, seconds, cluster.rank, cluster.num_workers)
+    if first and cluster.is_multi_worker and hasattr(strategy, "_tfdp_key_base"):
+        # The first run of a step function: each worker posts its arrival, so the error names
+        # the ones that never came (every worker builds its step functions in one order).
+        from tfdp import _tf_private
+
+        if _tf_private.coordination_service_configured():
+            base = f"tfdp/first-step/{strategy._tfdp_key_base}/{what}"  # noqa: SLF001
+            key = f"{base}/{_next_call_number(base)}"
+            _tf_private.publish_to_coordination_service(f"{key}/{cluster.rank}", "1")
+            message = functools.partial(_overdue_naming, what, seconds, cluster, key)
+    token = _watchdog.arm(seconds, message)
     try:
         yield
     finally:
         _watchdog.disarm(token)
+
+
+def _overdue_naming(what, seconds, cluster, key):
+    return overdue_message(what, seconds, cluster.rank, cluster.num_workers,
+                           _missing_arrivals(key, cluster.num_workers))
 
 
 # --- the initial-value broadcast of a variable (outside any step) ---------------------------
