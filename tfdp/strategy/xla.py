@@ -495,7 +495,8 @@ def install_keras_hooks():
 
     def make_predict(original):
         def make_predict_function(self, force=False):
-            function = original(self, force)
+            # Keras sets self.predict_function (and returns it only when it was there).
+            function = original(self, force) or self.predict_function
             strategy = _tfdp_strategy_of(self)
             if (strategy is None or getattr(function, "_tfdp_watched", False)
                     or not strategy.cluster.is_multi_worker):
