@@ -102,21 +102,35 @@ def unscale_loss_for_distribution(value):
 # still moves Adam's moments and the iteration counter (or, with unknown cardinality, it
 # would record the short length and cut every later epoch to it). No public API reaches the
 # iterator; BackupAndRestore finds it through the dataset it trains on and sets the length of
-# the resumed epoch (EpochIterator._num_batches), then restores it.
-def set_keras_epoch_length(dataset, num_batches) -> int:
-    """Sets the epoch length of the Keras epoch iterators over ``dataset`` (None: unknown);
-    returns how many iterators it set."""
-    import gc
+# the resumed epoch (EpochIterator._num_batches), then restores it. The iterator is found in
+# the frames of the running fit (the caller is a callback of that fit): searching the heap
+# (gc.get_referrers) costs a scan of every object per call, seconds in a long-lived process.
+def _holds(iterator, dataset) -> bool:
+    adapter = getattr(iterator, "data_adapter", None)
+    return any(held is dataset for held in (
+        vars(iterator).get("_distributed_dataset"), getattr(adapter, "_dataset", None)))
 
+
+def _epoch_iterators_in_frames(dataset, kind) -> list:
+    import sys
+
+    found, frame = [], sys._getframe(1)  # noqa: SLF001  (the running fit's frames)
+    while frame is not None:
+        for value in frame.f_locals.values():
+            if isinstance(value, kind) and _holds(value, dataset) and value not in found:
+                found.append(value)
+        frame = frame.f_back
+    return found
+
+
+def set_keras_epoch_length(dataset, num_batches) -> int:
+    """Sets the epoch length of the Keras epoch iterators over ``dataset`` (None: unknown)
+    that a running ``fit`` in this thread's stack uses; returns how many it set."""
     from keras.src.trainers.epoch_iterator import EpochIterator
 
-    candidates = list(gc.get_referrers(dataset))
-    for referrer in list(candidates):
-        if isinstance(referrer, dict):  # an instance __dict__ in some Python versions
-            candidates.extend(gc.get_referrers(referrer))
-    found = {id(obj): obj for obj in candidates
-             if isinstance(obj, EpochIterator) and obj.steps_per_epoch is None}
-    for obj in found.values():
+    found = [it for it in _epoch_iterators_in_frames(dataset, EpochIterator)
+             if it.steps_per_epoch is None]
+    for obj in found:
         obj._num_batches = num_batches  # noqa: SLF001
     return len(found)
 
