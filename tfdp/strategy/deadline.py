@@ -229,13 +229,24 @@ def broadcast_overdue_message(variable: str, seconds: float, rank: int, num_work
                          "reaches it this much later, raise timeout_seconds.")
 
 
-def _missing_arrivals(key: str, num_workers: int) -> list:
+def _missing_arrivals(key: str, num_workers: int, per_key_seconds: float = 1.0,
+                     budget_seconds: float = 10.0) -> list:
+    """The ranks whose arrival under ``key`` is not in the coordination service. A posted key
+    answers at once; a read with a 1 ms timeout failed for posted ones on a loaded host (the
+    chief named itself missing), so each missing one costs ``per_key_seconds``, within
+    ``budget_seconds`` in all (ranks not read by then are not named)."""
+    import time
+
     from tfdp import _tf_private
 
-    missing = []
+    missing, give_up = [], time.monotonic() + budget_seconds
     for rank in range(num_workers):
+        left = give_up - time.monotonic()
+        if left <= 0:
+            break
         try:
-            _tf_private.read_from_coordination_service(f"{key}/{rank}", 0.001)
+            _tf_private.read_from_coordination_service(f"{key}/{rank}",
+                                                       min(per_key_seconds, left))
         except Exception:  # noqa: BLE001  (tf.errors.OpError: not there, or the service is gone)
             missing.append(rank)
     return missing
