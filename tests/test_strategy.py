@@ -200,6 +200,76 @@ def test_plan_buckets():
         plan_buckets([4], [f32], -1)
 
 
+def test_plan_buckets_small_first_bucket_only_when_the_gradient_needs_several():
+    f32 = tf.float32
+    # Everything fits in one cap: one fused collective, the first-bucket size unused.
+    assert plan_buckets([4, 4, 4], [f32] * 3, 100, first_bucket_bytes=4) == [[0, 1, 2]]
+    # Larger than one cap: the first bucket closes at 4 bytes, the others at 8.
+    assert plan_buckets([4, 4, 4, 4, 4], [f32] * 5, 8, first_bucket_bytes=4) == [
+        [0], [1, 2], [3, 4]]
+    # The first bucket never exceeds the cap, and a large first tensor is a bucket of its own.
+    assert plan_buckets([10, 4, 4], [f32] * 3, 8, first_bucket_bytes=100) == [[0], [1, 2]]
+    assert plan_buckets([4, 4], [f32] * 2, 0, first_bucket_bytes=4) == [[0], [1]]
+
+
+def test_a_one_core_worker_gets_a_second_inter_op_thread():
+    """Issue 43: with one inter-op thread a bucket's collective waits until backprop ends
+    (collectives.py, "Backward pacing"); tfdp asks for two on a one-core worker unless
+    someone chose the pool size."""
+    from tfdp.strategy import devices
+
+    assert devices.inter_op_threads_needed(1, 0, {}) == 2
+    assert devices.inter_op_threads_needed(2, 0, {}) is None
+    assert devices.inter_op_threads_needed(1, 1, {}) is None  # set by the user
+    assert devices.inter_op_threads_needed(1, 0, {"TF_NUM_INTEROP_THREADS": "1"}) is None
+
+
+def _collective_reduce_inputs(graph):
+    """The element counts reduced by each CollectiveReduceV2 of ``graph``, in creation order,
+    per device, and whether each one waits (a control input) for the one before it."""
+    per_device = {}
+    for op in graph.get_operations():
+        if op.type == "CollectiveReduceV2":
+            per_device.setdefault(op.device, []).append(op)
+    return {device: ([int(op.inputs[0].shape.num_elements()) for op in ops],
+                     [ops[k - 1] in op.control_inputs for k, op in enumerate(ops) if k])
+            for device, ops in per_device.items()}
+
+
+@pytest.mark.parametrize("order", ["last_layers_first", "first_layers_first"])
+def test_gradient_buckets_launch_last_layers_first(monkeypatch, order):
+    """Issue 43: the gradient buckets' collectives are created (so launched: each waits for
+    the one created before it, through the launcher's ordering token) from the last layers'
+    bucket to the first layers', the order backprop produces them. TensorFlow's own
+    ReplicaContext.all_reduce reversed them; the old order stays reachable to show the
+    difference."""
+    from tfdp.strategy import collectives
+
+    monkeypatch.setattr(collectives, "LAUNCH_ORDER", order)
+    strategy = tfdp.DataParallelStrategy(devices=cpu_devices(2), bucket_bytes=1000)
+    sizes = [100, 150, 300, 400]  # the first layer's gradient first, as Keras lists them
+
+    def replica_fn():
+        grads = [tf.fill([n], 1.0) for n in sizes]
+        return collectives.all_reduce_gradients(grads)
+
+    step = tf.function(lambda: strategy.run(replica_fn))
+    launched = _collective_reduce_inputs(step.get_concrete_function().graph)
+    assert len(launched) == 2  # one launch sequence per replica
+    # Buckets from the last layers back, each closed once it holds 1,000 bytes (the 1 MiB
+    # first-bucket size is above that cap): [400], [300], [150, 100].
+    expected = [400, 300, 150 + 100]
+    if order == "first_layers_first":
+        expected = expected[::-1]
+    for counts, chained in launched.values():
+        assert counts == expected
+        assert all(chained), "each collective waits for the one launched before it"
+    results = step()
+    for reduced in results:
+        for value in strategy.experimental_local_results(reduced):
+            np.testing.assert_array_equal(value.numpy(), np.full(value.shape, 2.0))
+
+
 # --- numerics of buckets and compression -------------------------------------------------
 
 def _run_fit(strategy, x, y, weights, epochs=2):

@@ -437,7 +437,7 @@ def test_autograph_user_function_converts_beneath_do_not_convert():
 # --- the package by area and its patch registry (issue 31 item 2) ---------------------------
 
 AREAS = ("core", "distribute", "data", "coordination", "keras_trainer", "keras_optimizer",
-         "keras_random", "keras_saving", "gradients", "sharded_variable")
+         "keras_random", "keras_saving", "gradients", "sharded_variable", "profiler")
 
 
 def _python(code: str) -> str:
@@ -781,3 +781,48 @@ def test_sharded_variable_pieces_are_where_tfdp_expects_them():
     layer.build((None, 3))
     assert len(_tf_private.own_trainable_variables(layer)) == 2
     assert "__call__" in vars(keras.layers.Layer) or hasattr(keras.layers.Layer, "__call__")
+
+
+def test_launcher_all_reduce_creates_one_collective_with_the_launchers_token():
+    """Pins _tf_private.all_reduce (tfdp's gradient buckets launch through it, issue 43): one
+    CollectiveReduceV2 on the launcher's device, fed its ordering token; and the reason tfdp
+    does not go through ReplicaContext.all_reduce for them: TensorFlow's collective
+    all-reduce reverses the tensors it is given before launching them."""
+    import tensorflow as tf
+    from tensorflow.python.distribute import cross_device_ops  # the pin reads its source
+
+    assert "dense_values.reverse()" in inspect.getsource(
+        cross_device_ops.CollectiveAllReduce._all_reduce)
+    strategy = tfdp.DataParallelStrategy([f"/device:CPU:{i}" for i in range(2)])
+    options = _tf_private.communication_options(strategy.extended)
+
+    def replica_fn():
+        index = _tf_private.local_replica_id(tf.distribute.get_replica_context())
+        launcher = _tf_private.collective_launchers(strategy.extended)[index]
+        return _tf_private.all_reduce(launcher, tf.constant([1.0, 2.0]), options)
+
+    step = tf.function(lambda: strategy.run(replica_fn))
+    ops = [op for op in step.get_concrete_function().graph.get_operations()
+           if op.type == "CollectiveReduceV2"]
+    assert len(ops) == 2 and all(op.get_attr("Nordering_token") == 1 for op in ops)
+    for value in strategy.experimental_local_results(step()):
+        assert value.numpy().tolist() == [2.0, 4.0]
+
+
+def test_profiler_trace_reads_as_an_xspace(tmp_path):
+    """Pins _tf_private.xspace_proto: a trace from tf.profiler.experimental holds a host
+    plane whose events carry the executed ops' names (tools/profile_step.py reads them)."""
+    import tensorflow as tf
+
+    f = tf.function(lambda x: tf.matmul(x, x, name="pinned_matmul"))
+    f(tf.ones([8, 8]))
+    tf.profiler.experimental.start(str(tmp_path))
+    f(tf.ones([8, 8]))
+    tf.profiler.experimental.stop()
+    [path] = tmp_path.glob("plugins/profile/*/*.xplane.pb")
+    space = _tf_private.xspace_proto()()
+    space.ParseFromString(path.read_bytes())
+    host = [p for p in space.planes if p.name.startswith("/host:CPU")]
+    assert host
+    names = {m.name for p in host for m in p.event_metadata.values()}
+    assert any(n.startswith("pinned_matmul") for n in names), sorted(names)[:20]

@@ -28,6 +28,7 @@ The areas:
   (IndexedSlices) gradient comes from.
 * ``sharded_variable``: the distributed variable of ``shard_parameters=True`` (ZeRO-3): a
   MirroredVariable whose components hold slices, and how the strategy's scope creates one.
+* ``profiler``: the profiler's trace format (XSpace), read offline by tools/profile_step.py.
 * ``keras_saving``: Keras saving and callbacks, TensorFlow's file writers and checkpoints
   (only the chief writes; agreed decisions).
 
@@ -64,7 +65,9 @@ from tfdp._tf_private.distribute import (
     StrategyBase,
     _collective_ops,
     abort_collective_ops,
+    add_control_input,
     all_gather,
+    all_reduce,
     all_to_all,
     collective_launchers,
     communication_options,
@@ -110,6 +113,7 @@ from tfdp._tf_private.keras_trainer import (
     patch_keras_fit,
 )
 from tfdp._tf_private.gradients import GATHER_GRADIENT_OPS, lookup_ids
+from tfdp._tf_private.profiler import xspace_proto
 from tfdp._tf_private.keras_optimizer import (
     LAYERWISE_HOOKS,
     OPTIMIZER_HOOKS,
@@ -186,7 +190,7 @@ __all__ = [
     "CollectiveAllReduceExtended", "StrategyBase", "DistributedValues", "SingleDevice",
     "EXTENDED_HOOKS", "COLLECTIVE_OP_FUNCTIONS", "set_collective_key_base",
     "extended_num_workers", "communication_options", "map_distributed", "in_xla_context",
-    "all_to_all", "collective_launchers", "all_gather", "local_replica_id",
+    "all_to_all", "collective_launchers", "all_gather", "all_reduce", "add_control_input", "local_replica_id",
     "run_independently", "patch_collective_ops", "abort_collective_ops",
     # data
     "set_distributed_dataset_cardinality", "skip_end_of_data_agreement",
@@ -204,6 +208,8 @@ __all__ = [
     "keras_epoch_length", "set_keras_initial_epoch",
     # gradients
     "GATHER_GRADIENT_OPS", "lookup_ids",
+    # profiler
+    "xspace_proto",
     # keras_optimizer
     "SHARED_STATE_STEPS", "keras_clip_gradients",
     "TFOptimizer", "LossScaleOptimizer", "OPTIMIZER_HOOKS", "LAYERWISE_HOOKS",

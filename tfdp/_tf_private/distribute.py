@@ -135,6 +135,30 @@ def all_to_all(launcher, value, options):
             ordering_token=launcher._get_ordering_token())  # noqa: SLF001
 
 
+def all_reduce(launcher, value, options):
+    """The sum of ``value`` over the launcher's group: one CollectiveReduceV2, created now.
+
+    Why: ``ReplicaContext.all_reduce`` hands its tensors to
+    ``CollectiveAllReduce._all_reduce``, which reverses them before launching (a guess at
+    backprop's order) and packs them itself; tfdp's gradient buckets must launch in the
+    order backprop produces them (collectives.py, "Launch order"), one collective each, with
+    the launcher's own keys and ordering token so they never clash with TensorFlow's.
+    """
+    return launcher.all_reduce(value, None, options)
+
+
+def add_control_input(op, dependency) -> None:
+    """Makes the existing graph op ``op`` wait for the op ``dependency``.
+
+    Why: tfdp's gradient buckets (collectives.py, "Backward pacing") must make the backward
+    pass of earlier layers, which Keras's ``tape.gradient`` has already built, wait until a
+    bucket's gradients are packed; ``tf.control_dependencies`` only reaches ops created
+    inside it. ``Operation._add_control_input`` is what TensorFlow's own graph rewriting
+    (control flow, automatic control dependencies) uses on ops that exist.
+    """
+    op._add_control_input(dependency)  # noqa: SLF001
+
+
 def collective_launchers(extended):
     """The per-local-device collective launchers of a collective strategy's extended."""
     return extended._cross_device_ops._launchers  # noqa: SLF001

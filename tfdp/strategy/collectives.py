@@ -8,7 +8,37 @@ Bucketing: gradients of one dtype are flattened and concatenated into buckets of
 ``bucket_bytes`` (a bucket closes once it reaches the size, so one large tensor is one
 bucket), and each bucket is one collective. ``bucket_bytes=0`` means one collective per
 tensor. Fewer, larger collectives amortise the per-collective latency that dominates small
-models; smaller buckets start communicating earlier on large ones.
+models; smaller buckets start communicating earlier on large ones. A gradient that fits in
+one bucket is one fused collective; a larger one gets a small first bucket
+(``options.DEFAULT_FIRST_BUCKET_BYTES``), as PyTorch DDP does.
+
+Launch order (issue 43): the buckets are filled from the last layers back and their
+collectives are created, hence launched, in that order: the last layers' gradients, which
+backprop produces first, are exchanged while backprop goes on to the earlier layers.
+Creation order is launch order because each replica's collectives share its launcher's
+ordering token (a resource), and tf.function's automatic control dependencies chain the ops
+of one resource in the order they were created: a collective starts only after the one
+created before it has finished. TensorFlow's own ``ReplicaContext.all_reduce`` reverses the
+list it is given (cross_device_ops.CollectiveAllReduce._all_reduce), which made the first
+layers' bucket, produced last, launch first and hold every other bucket behind it; tfdp
+therefore launches each bucket itself through the replica's launcher.
+
+Backward pacing (issue 43): launching early is not enough. TensorFlow's executor decides
+when each backward op runs, and with one inter-op thread (one core per worker) it runs the
+chain of input gradients down to the first layer before any weight gradient it left behind
+(measured on the 20-layer MLP: the last layer's kernel gradient ran last of all, so its
+bucket was ready only when backprop had finished). So each bucket's packed tensor is made a
+control input of the backward ops that go on past its layers (the ops that read a tensor the
+bucket needed but that the bucket does not need): backprop completes the bucket's layers,
+the bucket is packed and its collective can launch, and only then do the earlier layers'
+gradients proceed, as in PyTorch's autograd. No op is added or moved across a collective,
+and no edge can close a cycle (an op is delayed only behind a tensor it is not an ancestor
+of). Only a trace whose gradients were computed in the same graph is paced (not a
+gradient handed into a tf.cond branch, nor one that comes out of an XLA-compiled function).
+A packed bucket makes two expensive ops ready, its collective and the paced backward op; the
+executor runs one on its thread and hands the other to the inter-op pool, so the collective
+launches at once only if the pool has a second thread (devices.configure_inter_op_threads
+gives a one-core worker two).
 
 Compression: ``"fp16"``/``"bf16"`` casts each floating bucket to that dtype for the
 collective and back to the gradient's dtype afterwards, halving bytes on the wire. The
@@ -26,6 +56,7 @@ import tensorflow as tf
 from tfdp import _tf_private
 from tfdp.strategy import is_data_parallel, sparse_gradients
 from tfdp.strategy import riders as _riders_lib
+from tfdp.strategy.options import DEFAULT_FIRST_BUCKET_BYTES
 # The riders' names stay importable from here (their home is tfdp/strategy/riders.py).
 from tfdp.strategy.riders import (LogsRider, add_gradient_rider, is_reduced,  # noqa: F401
                                   mark_reduced, remove_gradient_rider, riding_with_gradients)
@@ -82,23 +113,32 @@ def reduce_dtype(dtype, device_type: str):
 _ONE_COLLECTIVE_PER_TENSOR = 1
 
 
-def plan_buckets(num_bytes: Sequence[int], dtypes: Sequence, bucket_bytes: int) -> list[list[int]]:
+def plan_buckets(num_bytes: Sequence[int], dtypes: Sequence, bucket_bytes: int,
+                 first_bucket_bytes: int | None = None) -> list[list[int]]:
     """Groups tensor indices into buckets; pure function, no TensorFlow ops.
 
     Tensors of one dtype are bucketed in order; a bucket closes as soon as it holds at
     least ``bucket_bytes`` (so no bucket is split and a tensor larger than the bucket size
     is a bucket of its own). ``bucket_bytes == 0``: one bucket per tensor.
+    ``first_bucket_bytes``: where the tensors do not all fit in ``bucket_bytes``, the first
+    bucket (the first tensors', launched first) closes at this smaller size instead, so
+    that the exchange starts early; when they all fit they stay one bucket per dtype (one
+    collective, no extra latency).
 
     Returns:
         A list of buckets, each a list of indices into the inputs.
     """
     if bucket_bytes < 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 0 (0 = one collective per tensor).")
+    first_cap = bucket_bytes
+    if first_bucket_bytes is not None and sum(num_bytes) > bucket_bytes:
+        first_cap = min(first_bucket_bytes, bucket_bytes)
     buckets: list[list[int]] = []
     open_bucket: dict = {}  # dtype -> (bucket index, bytes so far)
     for i, (size, dtype) in enumerate(zip(num_bytes, dtypes)):
         current = open_bucket.get(dtype)
-        if bucket_bytes == 0 or current is None or current[1] >= bucket_bytes:
+        cap = first_cap if current is not None and current[0] == 0 else bucket_bytes
+        if bucket_bytes == 0 or current is None or current[1] >= cap:
             buckets.append([i])
             open_bucket[dtype] = (len(buckets) - 1, size)
         else:
@@ -149,13 +189,13 @@ def all_reduce_gradients(grads, strategy=None):
         buckets = plan_buckets(
             [t.shape.num_elements() * t.dtype.size if t.shape.is_fully_defined() else 0
              for t in tensors],
-            [t.dtype for t in tensors], bucket_bytes)
+            [t.dtype for t in tensors], bucket_bytes, DEFAULT_FIRST_BUCKET_BYTES)
         # The riders (e.g. the preemption stop flag) join the last floating bucket's own
         # concatenation and leave by its own split: no extra copy of the bucket.
         carrier, riders = _riders_lib.board(strategy, [tensors[b[0]].dtype for b in buckets],
                                             COMPRESSION_DTYPES[compression])
         flat, extra = [], []
-        for k, bucket in enumerate(buckets):
+        for k, bucket in enumerate(buckets):  # packed in launch order: see the module's doc
             parts = [tf.reshape(tensors[j], [-1]) for j in bucket]
             if k == carrier:
                 extra = [r.contribution() for r in riders]
@@ -167,9 +207,9 @@ def all_reduce_gradients(grads, strategy=None):
                 parts += [tf.reshape(tf.cast(v, parts[0].dtype), [-1]) for v in extra]
             packed = parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
             flat.append(to_wire(packed, compression))
-        reduced = ctx.all_reduce(
-            tf.distribute.ReduceOp.SUM, flat,
-            options=_options(strategy, bytes_per_pack=_ONE_COLLECTIVE_PER_TENSOR))
+        if LAUNCH_ORDER == "last_layers_first":
+            _pace_backward(flat)
+        reduced = _launch_buckets(ctx, strategy, flat)
         for k, (bucket, value) in enumerate(zip(buckets, reduced)):
             # Gradient shapes are static at trace time; fall back to runtime shapes otherwise.
             sizes = [_size(tensors[j]) for j in bucket]
@@ -187,6 +227,88 @@ def all_reduce_gradients(grads, strategy=None):
                                                          _options(strategy))
         for i, value in zip(sparse, reduced):
             out[i] = value
+    return out
+
+
+# The order in which all_reduce_gradients launches its buckets: "last_layers_first" (the
+# order backprop produces them, see the module's doc) or "first_layers_first", the order of
+# tfdp before issue 43, kept only so that a test can show the overlap check failing on it.
+LAUNCH_ORDER = "last_layers_first"
+
+
+def _ancestors(tensors, seen):
+    """Adds to ``seen`` (a dict: op name -> op) every op ``tensors`` depend on, data and
+    control inputs alike, in their graph; returns it."""
+    stack = [t.op for t in tensors]
+    while stack:
+        op = stack.pop()
+        if op.name in seen:
+            continue
+        seen[op.name] = op
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    return seen
+
+
+def _pace_backward(packed):
+    """Makes backprop finish each bucket before it goes on past the bucket's layers (the
+    module's doc, "Backward pacing"). ``packed``: the buckets' packed tensors in launch
+    order. Returns how many ops now wait for a bucket (for the tests)."""
+    if len(packed) < 2 or tf.executing_eagerly():
+        return 0
+    graph = packed[0].graph
+    if any(t.graph is not graph for t in packed):
+        return 0
+    needed = _ancestors(packed, {})  # the whole backward (and forward) behind the buckets
+    done: dict = {}
+    paced = 0
+    for bucket in packed[:-1]:
+        _ancestors([bucket], done)
+        for name, op in needed.items():
+            if name in done or bucket.op in op.control_inputs:
+                continue
+            # An op the later buckets need, not this one, reading something this one
+            # needed: where backprop would run past the bucket. Ops already after an
+            # earlier bucket wait for this one too, which keeps the buckets in order.
+            if any(t.op.name in done for t in op.inputs):
+                _tf_private.add_control_input(op, bucket.op)
+                paced += 1
+    return paced
+
+
+def _launch_buckets(ctx, strategy, flat):
+    """Sums each tensor of ``flat`` over all replicas, one collective each, created (hence
+    launched, the ordering token chains them) in list order; returns the sums in list order."""
+    options = _options(strategy, bytes_per_pack=_ONE_COLLECTIVE_PER_TENSOR)
+    launch = list(range(len(flat)))
+    if LAUNCH_ORDER == "first_layers_first":
+        launch.reverse()
+    elif LAUNCH_ORDER != "last_layers_first":
+        raise ValueError(f"collectives.LAUNCH_ORDER={LAUNCH_ORDER!r}: 'last_layers_first' or "
+                         "'first_layers_first'.")
+    if tf.executing_eagerly():
+        # Eagerly TensorFlow runs the replicas one after another and must go through
+        # merge_call (blocking collectives launched in turn would hang); nothing overlaps
+        # there. Its all_reduce reverses the list it is given, so it is handed reversed.
+        given = launch[::-1]
+        reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [flat[k] for k in given],
+                                 options=options)
+        out = [None] * len(flat)
+        for k, value in zip(given, reduced):
+            out[k] = value
+        return out
+    launcher = _tf_private.collective_launchers(strategy.extended)[local_replica_index()]
+    device_type = strategy.extended._tfdp_reduce_device_type  # noqa: SLF001 (tfdp's own)
+    out = [None] * len(flat)
+    for k in launch:
+        value = flat[k]
+        wire = reduce_dtype(value.dtype, device_type)  # e.g. int64 for int32 on GPUs
+        # The scope names the bucket in profiles (tools/profile_step.py): bucket 0 holds
+        # the last layers' gradients.
+        with tf.name_scope(f"tfdp_bucket_{k}"):
+            summed = _tf_private.all_reduce(
+                launcher, value if wire is None else tf.cast(value, wire), options)
+        out[k] = summed if wire is None else tf.cast(summed, value.dtype)
     return out
 
 

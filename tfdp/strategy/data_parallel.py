@@ -203,7 +203,10 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         communication: ``"auto"`` (NCCL on GPUs, ring collectives otherwise), ``"nccl"``
             (error without GPUs) or ``"ring"``.
         bucket_bytes: pack gradients into buckets of about this many bytes before
-            reducing; 0 = one collective per tensor; None = 32 MiB.
+            reducing; 0 = one collective per tensor; None = 25 MiB (a gradient larger than
+            that is split into a 1 MiB first bucket, the last layers', and 25 MiB buckets,
+            each launched as soon as backprop has produced it; a smaller one is one
+            collective).
         compression: ``None``, ``"fp16"`` or ``"bf16"``: dtype of gradients on the wire.
         timeout_seconds: the longest a step may wait for its peers, so that a peer that
             never joins gives an error instead of a hang (tfdp.strategy.deadline: Keras's steps,
@@ -267,6 +270,8 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         elif devices is None:
             devices = devices_lib.shared_host_gpu_devices(cluster)
         devices_lib.configure_from_env()
+        if cluster.is_multi_worker:  # overlap needs a second inter-op thread (issue 43)
+            devices_lib.configure_inter_op_threads()
         names, device_type = devices_lib.resolve_local_devices(devices)
         indices = [tf.DeviceSpec.from_string(n).device_index for n in names]
         check_compression(options.compression, device_type)

@@ -15,14 +15,19 @@ import os
 import dataclasses
 
 __all__ = ["COMMUNICATIONS", "COMPRESSIONS", "DEFAULT_BUCKET_BYTES",
-           "DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS", "RANDOM_DRAWS", "StrategyOptions", "resolve_options",
+           "DEFAULT_FIRST_BUCKET_BYTES", "DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS", "RANDOM_DRAWS", "StrategyOptions", "resolve_options",
            "resolve_communication", "check_compression", "describe_shared_gpu",
            "jit_compile_error"]
 
 COMMUNICATIONS = ("auto", "nccl", "ring")
 COMPRESSIONS = (None, "fp16", "bf16")
 RANDOM_DRAWS = ("as_one_device", "independent")  # randomness.py states what each means
-DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
+# Gradient buckets as PyTorch DDP sizes them (issue 43): a cap of 25 MiB, and a first bucket
+# (the last layers', launched first) closed at 1 MiB so the exchange starts while backprop is
+# still early. A gradient that fits in one cap travels as one fused collective: there the
+# per-collective latency outweighs what overlap could hide (sub-millisecond steps).
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 # A step waits at most this long for its peers when there are several workers. Long enough
 # for a chief writing a checkpoint or a slow first trace, short enough that a hung peer ends
 # the job within minutes. Single-process jobs need none: local devices cannot die separately.
