@@ -8,6 +8,10 @@ def build_model(name, keras):
         return keras.Sequential([keras.Input((256,)), keras.layers.Dense(1024, activation="relu"),
                                  keras.layers.Dense(512, activation="relu"),
                                  keras.layers.Dense(512, activation="relu"), keras.layers.Dense(10)])
+    if name == "mlp20m":  # 20 Dense layers, about 20.5M parameters (issue 43's job)
+        return keras.Sequential([keras.Input((1024,))]
+                                + [keras.layers.Dense(1024, activation="relu") for _ in range(19)]
+                                + [keras.layers.Dense(512)])
     if name == "convnet":
         return keras.Sequential([keras.Input((32, 32, 3)),
                                  keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
