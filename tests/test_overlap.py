@@ -1,7 +1,9 @@
 """Issue 43: the gradient exchange overlaps the backward pass, read from a real profile.
 
-Two workers on 127.0.0.1 (tfdp-run), each pinned to one core, train the 20-layer MLP a few
-steps under the TensorFlow profiler (tools/profile_step.py, which launches the job, reads the
+Two workers on 127.0.0.1 (tfdp-run), each pinned to one core with two inter-op threads
+(TensorFlow gives a one-core process one, and then a ready collective waits in the pool until
+backprop ends: collectives.py, "Backward pacing"), train the 20-layer MLP a few steps under
+the TensorFlow profiler (tools/profile_step.py, which launches the job, reads the
 chief's trace and prints each step as JSON). In every profiled step the first gradient
 collective to run is bucket 0, the last layers' gradients, and it starts before the backward
 pass has finished. The guard: the same job with the launch order of tfdp before issue 43
@@ -26,7 +28,7 @@ TOOL = os.path.join(ROOT, "tools", "profile_step.py")
 def profiled_steps(tmp_path, order):
     """The chief's profiled steps of a 2-worker job launching its buckets in ``order``."""
     cmd = [sys.executable, TOOL, "--model=mlp20m", "--batch=16", "--warmup=2", "--steps=2",
-           "--pin", "--json", "--timeout=240", f"--launch_order={order}",
+           "--pin", "--interop=2", "--json", "--timeout=240", f"--launch_order={order}",
            f"--logdir={tmp_path / order}"]
     code, out = run_job(cmd, worker_env(), timeout=300)
     assert code == 0, out[-4000:]

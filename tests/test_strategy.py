@@ -212,18 +212,6 @@ def test_plan_buckets_small_first_bucket_only_when_the_gradient_needs_several():
     assert plan_buckets([4, 4], [f32] * 2, 0, first_bucket_bytes=4) == [[0], [1]]
 
 
-def test_a_one_core_worker_gets_a_second_inter_op_thread():
-    """Issue 43: with one inter-op thread a bucket's collective waits until backprop ends
-    (collectives.py, "Backward pacing"); tfdp asks for two on a one-core worker unless
-    someone chose the pool size."""
-    from tfdp.strategy import devices
-
-    assert devices.inter_op_threads_needed(1, 0, {}) == 2
-    assert devices.inter_op_threads_needed(2, 0, {}) is None
-    assert devices.inter_op_threads_needed(1, 1, {}) is None  # set by the user
-    assert devices.inter_op_threads_needed(1, 0, {"TF_NUM_INTEROP_THREADS": "1"}) is None
-
-
 def _collective_reduce_inputs(graph):
     """The element counts reduced by each CollectiveReduceV2 of ``graph``, in creation order,
     per device, and whether each one waits (a control input) for the one before it."""
@@ -234,6 +222,51 @@ def _collective_reduce_inputs(graph):
     return {device: ([int(op.inputs[0].shape.num_elements()) for op in ops],
                      [ops[k - 1] in op.control_inputs for k, op in enumerate(ops) if k])
             for device, ops in per_device.items()}
+
+
+@pytest.mark.parametrize("order", ["last_layers_first", "first_layers_first"])
+def test_backprop_finishes_a_bucket_before_going_past_its_layers(monkeypatch, order):
+    """Issue 43, backward pacing: the op that carries backprop past the last layer (its
+    input gradient) waits for the last layers' packed bucket, so that bucket can launch
+    while the earlier layers' gradients are computed; not in the old order (the guard). The
+    result is unchanged."""
+    from tfdp.strategy import collectives
+
+    monkeypatch.setattr(collectives, "LAUNCH_ORDER", order)
+    strategy = tfdp.DataParallelStrategy(devices=cpu_devices(2), bucket_bytes=4 * 64 * 64)
+    with strategy.scope():
+        layers = [keras.layers.Dense(64, use_bias=False, name=f"d{i}") for i in range(3)]
+        for layer in layers:
+            layer.build((None, 64))
+
+    def replica_fn(x):
+        with tf.GradientTape() as tape:
+            h = x
+            for layer in layers:
+                h = layer(h)
+            loss = tf.reduce_sum(h)
+        weights = [layer.kernel for layer in layers]
+        return collectives.all_reduce_gradients(tape.gradient(loss, weights))
+
+    step = tf.function(lambda x: strategy.run(replica_fn, args=(x,)))
+    graph = step.get_concrete_function(tf.TensorSpec([4, 64])).graph
+    # One bucket per kernel (16 KiB each); the last layer's input gradient is the MatMul
+    # of d2's backward that does not produce d2's kernel gradient.
+    paced = [op for op in graph.get_operations()
+             if op.type == "MatMul" and any(c.type in ("ConcatV2", "Reshape")
+                                            for c in op.control_inputs)]
+    assert bool(paced) is (order == "last_layers_first"), [op.name for op in paced]
+    x = tf.ones([4, 64])
+    reduced = step(x)
+    for g in reduced:
+        for value in strategy.experimental_local_results(g):
+            assert np.all(np.isfinite(value.numpy()))
+    monkeypatch.setattr(collectives, "LAUNCH_ORDER", "first_layers_first")
+    unpaced = tf.function(lambda x: strategy.run(replica_fn, args=(x,)))(x)
+    for a, b in zip(reduced, unpaced):
+        for u, v in zip(strategy.experimental_local_results(a),
+                        strategy.experimental_local_results(b)):
+            np.testing.assert_array_equal(u.numpy(), v.numpy())
 
 
 @pytest.mark.parametrize("order", ["last_layers_first", "first_layers_first"])

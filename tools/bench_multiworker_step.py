@@ -58,7 +58,8 @@ from baselines import patched_mwms  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("rounds", 1, "Interleaved rounds to run now (appended to --results).")
-flags.DEFINE_list("models", ["tiny", "mlp"], "Models: tiny, mlp.")
+flags.DEFINE_list("models", ["tiny", "mlp"], "Models: tiny, mlp, mlp20m (20 Dense layers, "
+                  "20.5M parameters: issue 43's job).")
 flags.DEFINE_list("layouts", ["1", "2"], "CPU replicas per worker (2 workers each).")
 flags.DEFINE_list("impls", ["tfdp", "mwms", "before"], "Implementations to compare.")
 flags.DEFINE_integer("warmup", 20, "Steps before the measured ones.")
@@ -96,9 +97,11 @@ VARIANTS = {
     "tfdp_input": "MWMS fed through tfdp.data.distribute",
     "no_ride": "tfdp with the logs reduced by a collective of their own (no LogsRider)",
     "no_timeout": "tfdp with no per-collective deadline in TensorFlow's collectives",
+    "old_order": "tfdp with its gradient exchange as before issue 43: buckets launched first "
+                 "layers first, no backward pacing, TensorFlow's inter-op pool size",
 }
-PER_REPLICA_BATCH = {"tiny": 32, "mlp": 64}
-FEATURES = {"tiny": 32, "mlp": 256}
+PER_REPLICA_BATCH = {"tiny": 32, "mlp": 64, "mlp20m": 64}
+FEATURES = {"tiny": 32, "mlp": 256, "mlp20m": 1024}
 
 
 def build(name, keras):
@@ -149,12 +152,16 @@ def pin_to_one_core():
 def child():
     if FLAGS.pin:
         pin_to_one_core()
+    if FLAGS.variant == "old_order":  # TensorFlow's own pool size, as before issue 43
+        os.environ["TF_NUM_INTEROP_THREADS"] = str(len(os.sched_getaffinity(0)))
     import numpy as np
     import keras
     import tensorflow as tf
     import tfdp
 
     kind, name, variant = FLAGS.child, FLAGS.model, FLAGS.variant
+    if variant == "old_order":
+        tfdp.strategy.collectives.LAUNCH_ORDER = "first_layers_first"
     if variant and variant not in VARIANTS:
         raise app.UsageError(f"unknown variant {variant!r}; one of {sorted(VARIANTS)}")
     if variant == "no_ride":

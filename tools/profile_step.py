@@ -20,8 +20,13 @@ no TensorBoard plugin needed), and printed per step of the chief:
 ``--launch_order=first_layers_first`` runs the order of tfdp before issue 43, for the
 comparison; ``--plot`` draws one step of each order as a timeline.
 
-    python tools/profile_step.py --model=mlp20m --pin                    # ~1 min
-    python tools/profile_step.py --model=mlp20m --pin --plot=docs/images/overlap.png
+On a worker pinned to one core TensorFlow's inter-op pool has one thread and a ready
+collective waits there until backprop ends; ``--interop=2`` gives the workers two (what
+docs/strategy.md's picture shows).
+
+    python tools/profile_step.py --model=mlp20m --pin --interop=2          # ~1 min
+    python tools/profile_step.py --model=mlp20m --pin --interop=2 \
+        --plot=docs/benchmarks/profile_step_overlap.png                    # both orders
 """
 
 from __future__ import annotations

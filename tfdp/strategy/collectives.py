@@ -37,8 +37,11 @@ of). Only a trace whose gradients were computed in the same graph is paced (not 
 gradient handed into a tf.cond branch, nor one that comes out of an XLA-compiled function).
 A packed bucket makes two expensive ops ready, its collective and the paced backward op; the
 executor runs one on its thread and hands the other to the inter-op pool, so the collective
-launches at once only if the pool has a second thread (devices.configure_inter_op_threads
-gives a one-core worker two).
+launches at once only if the pool has a second thread. TensorFlow sizes the pool to the
+process's cores: a worker restricted to one core has one thread, and its collectives launch
+when backprop ends, as before. tfdp leaves it so (measured in issue 43: on one core a second
+thread made the overlap happen but not pay, since the loopback exchange is CPU work on the
+same core; set TF_NUM_INTEROP_THREADS=2 to see the overlap there).
 
 Compression: ``"fp16"``/``"bf16"`` casts each floating bucket to that dtype for the
 collective and back to the gradient's dtype afterwards, halving bytes on the wire. The
@@ -270,7 +273,10 @@ def _pace_backward(packed):
             # An op the later buckets need, not this one, reading something this one
             # needed: where backprop would run past the bucket. Ops already after an
             # earlier bucket wait for this one too, which keeps the buckets in order.
-            if any(t.op.name in done for t in op.inputs):
+            # Only stateless ops wait: tf.function's automatic control dependencies chain
+            # stateful ones by creation order afterwards, and an edge here could then close
+            # a cycle through them.
+            if not op.op_def.is_stateful and any(t.op.name in done for t in op.inputs):
                 _tf_private.add_control_input(op, bucket.op)
                 paced += 1
     return paced

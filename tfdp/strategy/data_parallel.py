@@ -270,8 +270,6 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         elif devices is None:
             devices = devices_lib.shared_host_gpu_devices(cluster)
         devices_lib.configure_from_env()
-        if cluster.is_multi_worker:  # overlap needs a second inter-op thread (issue 43)
-            devices_lib.configure_inter_op_threads()
         names, device_type = devices_lib.resolve_local_devices(devices)
         indices = [tf.DeviceSpec.from_string(n).device_index for n in names]
         check_compression(options.compression, device_type)

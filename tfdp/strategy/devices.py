@@ -115,41 +115,6 @@ def configure_from_env(environ=None) -> int | None:
     return None
 
 
-INTEROP_THREADS_ENV = "TF_NUM_INTEROP_THREADS"  # TensorFlow's own override
-
-
-def inter_op_threads_needed(cores: int, requested: int, environ) -> int | None:
-    """How many inter-op threads tfdp asks TensorFlow for; pure policy, no TensorFlow.
-
-    TensorFlow sizes its inter-op pool to the cores the process may run on: one thread on a
-    worker pinned to one core. There the executor's one thread runs backprop to its end
-    before a gradient bucket's collective, handed to the pool, launches (collectives.py,
-    "Backward pacing"; measured in issue 43), and nothing overlaps. A second thread
-    launches it at once; the two share the core, so compute is not slowed. Returns 2 for a
-    one-core process whose pool size nobody chose (``requested`` 0, no
-    ``TF_NUM_INTEROP_THREADS``), else None (leave TensorFlow's choice).
-    """
-    if cores >= 2 or requested or environ.get(INTEROP_THREADS_ENV, "").strip():
-        return None
-    return 2
-
-
-def configure_inter_op_threads(environ=None) -> int | None:
-    """Applies ``inter_op_threads_needed`` while the runtime is not initialised yet."""
-    environ = os.environ if environ is None else environ
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = inter_op_threads_needed(cores or 1,
-                                      tf.config.threading.get_inter_op_parallelism_threads(),
-                                      environ)
-    if threads is None:
-        return None
-    try:
-        tf.config.threading.set_inter_op_parallelism_threads(threads)
-    except RuntimeError:  # the runtime started before the strategy: keep its pool
-        return None
-    return threads
-
-
 def _count_logical(device_type: str) -> int:
     total = 0
     for physical in tf.config.list_physical_devices(device_type):
