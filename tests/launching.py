@@ -34,11 +34,13 @@ def worker_script(name):
 
 
 def worker_env(**extra):
-    """This process's environment for a job: tests/ and the repository root first on
-    ``PYTHONPATH``, ``TF_CONFIG`` removed, and ``extra`` added (values as strings)."""
+    """This process's environment for a job: tests/, the repository root and tools/ first on
+    ``PYTHONPATH`` (as pyproject.toml gives pytest), ``TF_CONFIG`` removed, and ``extra``
+    added (values as strings)."""
     env = dict(os.environ)
     env.pop("TF_CONFIG", None)
-    paths = [TESTS, ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    paths = [TESTS, ROOT, os.path.join(ROOT, "tools")] + (
+        [env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env.update({name: str(value) for name, value in extra.items()})
     return env

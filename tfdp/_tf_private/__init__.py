@@ -67,6 +67,7 @@ from tfdp._tf_private.distribute import (
     abort_collective_ops,
     add_control_input,
     all_gather,
+    broadcast,
     all_reduce,
     all_to_all,
     collective_launchers,
@@ -190,7 +191,7 @@ __all__ = [
     "CollectiveAllReduceExtended", "StrategyBase", "DistributedValues", "SingleDevice",
     "EXTENDED_HOOKS", "COLLECTIVE_OP_FUNCTIONS", "set_collective_key_base",
     "extended_num_workers", "communication_options", "map_distributed", "in_xla_context",
-    "all_to_all", "collective_launchers", "all_gather", "all_reduce", "add_control_input", "local_replica_id",
+    "all_to_all", "collective_launchers", "all_gather", "broadcast", "all_reduce", "add_control_input", "local_replica_id",
     "run_independently", "patch_collective_ops", "abort_collective_ops",
     # data
     "set_distributed_dataset_cardinality", "skip_end_of_data_agreement",

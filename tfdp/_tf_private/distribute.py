@@ -174,6 +174,35 @@ def all_gather(launcher, value, options):
     return launcher._all_gather(value, options)  # noqa: SLF001
 
 
+def broadcast(launcher, value, shape, dtype, options):
+    """``value`` from the one replica that passes it (the others pass None) to every replica
+    of the launcher's group; returns the value everywhere.
+
+    Why: tf.distribute offers no broadcast in a replica context (``ReplicaContext`` has
+    all-reduce and all-gather only; ``Strategy.broadcast`` is a cross-replica call through
+    merge_call). ShardedOptimizer sends a large variable's new rows from its one owner: as an
+    all-gather every other replica sends as many rows of filler, and each receives N times
+    the rows it needs. TensorFlow's collective broadcast ops take the launcher's group and
+    its next instance key (the same sequence on every replica, as for its all-gather); they
+    take no ordering token, and tf.function's automatic control dependencies leave them
+    unordered (auto_control_deps.py lists them as order-insensitive), so callers order them.
+    """
+    instance_key = launcher._next_instance_key()  # noqa: SLF001
+    options = launcher._options.merge(options)  # noqa: SLF001
+    hint = options.implementation.value
+    import tensorflow as tf
+
+    with tf.device(launcher._device):  # noqa: SLF001
+        if value is not None:
+            return _collective_ops.broadcast_send_v2(
+                value, launcher._group_size, launcher._group_key, instance_key,  # noqa: SLF001
+                communication_hint=hint, timeout=options.timeout_seconds)
+        return _collective_ops.broadcast_recv_v2(
+            tf.constant(list(shape), tf.int32), dtype,
+            launcher._group_size, launcher._group_key, instance_key,  # noqa: SLF001
+            communication_hint=hint, timeout=options.timeout_seconds)
+
+
 def local_replica_id(replica_context) -> int:
     """The replica's index among this worker's devices, as a Python int.
 
@@ -194,7 +223,8 @@ def local_replica_id(replica_context) -> int:
 # TensorFlow's collective launchers (cross_device_utils.CollectiveReplicaLauncher) and tfdp's
 # all_to_all above build every collective by calling these functions of the private
 # collective_ops module, looked up at call time; no public hook observes a collective.
-COLLECTIVE_OP_FUNCTIONS = ("all_reduce_v2", "all_gather_v2", "all_to_all_v2")
+COLLECTIVE_OP_FUNCTIONS = ("all_reduce_v2", "all_gather_v2", "all_to_all_v2", "broadcast_send_v2",
+                           "broadcast_recv_v2")
 
 
 def run_independently(op) -> None:

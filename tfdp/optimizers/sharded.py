@@ -334,6 +334,9 @@ class ShardedOptimizer(ConsolidatedState, keras.optimizers.Optimizer):
                 raise TypeError("ShardedOptimizer needs all trainable variables in one dtype, "
                                 f"got {sorted(str(d) for d in dtypes)}.")
         me = self._replica_id()
+        # Tables read by lookups (sparse gradients), known when the step is traced.
+        self._looked_up = frozenset(i for i, g in grad_of.items()
+                                    if isinstance(g, tf.IndexedSlices))
         steps = inner.gradient_accumulation_steps
         if not steps:
             self._reduce_update_gather(grad_of, indices, by_index, me)
@@ -468,7 +471,8 @@ class ShardedOptimizer(ConsolidatedState, keras.optimizers.Optimizer):
         exchange.gather_from_owners(
             {i: targets[i] for i in indices}, self._owners, me,
             _tf_private.optimizer_strategy(self),
-            None if sources is None else {i: sources[i] for i in indices})
+            None if sources is None else {i: sources[i] for i in indices},
+            looked_up=getattr(self, "_looked_up", frozenset()))
 
     def _update_owned(self, owned_grads, by_index, distributed):
         """Steps 2-3: clip the owned gradients, decay and update the owned variables."""

@@ -73,6 +73,7 @@ __all__ = [
     "reduce_scatter",
     "all_gather",
     "all_gather_rows",
+    "broadcast_row",
     "reduce_scatter_rows",
     "group_rank_order",
     "install_keras_gradient_hooks",
@@ -423,6 +424,24 @@ def all_gather_rows(row, strategy=None) -> list:
     gathered = tf.reshape(_tf_private.all_gather(launcher, row, _options(strategy)),
                           [ctx.num_replicas_in_sync * width])  # static shape for the slices
     return [gathered[rank * width:(rank + 1) * width] for rank in _rank_of(strategy)]
+
+
+def broadcast_row(row, width: int, dtype, strategy=None):
+    """The 1-D ``row`` (``width`` elements of ``dtype``) of the one replica that passes it;
+    the others pass None and receive it. Every replica gets the row. Must run inside a
+    tf.function, in a replica context; the caller orders successive broadcasts (they take
+    no ordering token)."""
+    ctx = tf.distribute.get_replica_context()
+    strategy = strategy or ctx.strategy
+    if ctx.num_replicas_in_sync == 1:
+        return row
+    launcher = _tf_private.collective_launchers(strategy.extended)[local_replica_index()]
+    out = _tf_private.broadcast(launcher, row, [width], tf.as_dtype(dtype), _options(strategy))
+    if row is not None:
+        # The sender's output is often unused, and tf.function prunes an unused broadcast
+        # (it is not in the ops that must run): the receivers would wait for ever.
+        _tf_private.run_independently(out.op)
+    return tf.reshape(out, [width])
 
 
 def local_replica_index() -> int:
