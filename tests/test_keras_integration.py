@@ -50,6 +50,7 @@ import keras.src.saving.saving_lib as saving_lib
 import keras.src.legacy.saving.legacy_h5_format as legacy_h5_format
 import keras.src.utils.file_utils as file_utils
 from tensorflow.python.ops import collective_ops, summary_ops_v2
+from tensorflow.python.data.ops import multi_device_iterator_ops
 from tensorflow.python.saved_model import save as saved_model_save
 import keras.src.backend.tensorflow.random as keras_tf_random
 
@@ -61,7 +62,8 @@ classes = [keras.optimizers.Optimizer, tf_optimizer_module.TFOptimizer,
            tf.train.CheckpointManager]
 classes += [c for c in vars(keras.callbacks).values() if isinstance(c, type)]
 modules = [tf.summary, tf.saved_model, saving_lib, legacy_h5_format, file_utils,
-           collective_ops, summary_ops_v2, saved_model_save, keras_tf_random]
+           collective_ops, summary_ops_v2, saved_model_save, keras_tf_random,
+           multi_device_iterator_ops]
 owners = {}
 for cls in classes:
     for klass in inspect.getmro(cls):

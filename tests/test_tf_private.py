@@ -38,7 +38,7 @@ def test_only_tf_private_imports_private_modules():
 
 def test_keras_gradient_hooks_installed():
     tfdp.DataParallelStrategy()
-    assert _tf_private.TFOptimizer._clip_gradients.__module__ == "tfdp.strategy.collectives"
+    assert _tf_private.TFOptimizer._clip_gradients.__module__ == "tfdp.strategy.gradient_hooks"
 
 
 def test_xla_context_detection_pin():
@@ -826,3 +826,33 @@ def test_profiler_trace_reads_as_an_xspace(tmp_path):
     assert host
     names = {m.name for p in host for m in p.event_metadata.values()}
     assert any(n.startswith("pinned_matmul") for n in names), sorted(names)[:20]
+
+
+def test_per_replica_input_pipelines_run_without_the_autotune_thread(monkeypatch):
+    """Pins _tf_private.patch_device_datasets_without_autotune: under a tfdp strategy every
+    per-replica pipeline a distributed dataset builds (multi_device_iterator_ops's
+    ``_create_device_dataset``) has tf.data's autotune off, so no autotune thread outlives
+    an epoch's iterator (fit returned 62.8 s after its last step without it, measured on
+    4 replicas, once in two runs; 0.0 s in two runs with it). Guard: TensorFlow's own
+    function leaves autotune on."""
+    import tensorflow as tf
+    from tensorflow.python.data.ops import multi_device_iterator_ops as mdi
+
+    strategy = tfdp.DataParallelStrategy([f"/device:CPU:{i}" for i in range(2)])
+    patched = mdi._create_device_dataset
+    assert getattr(patched, "_tfdp_patch", False)
+    built = []
+
+    def recording(*args, **kwargs):
+        built.append((patched(*args, **kwargs), patched.__wrapped__(*args, **kwargs)))
+        return built[-1][0]
+
+    monkeypatch.setattr(mdi, "_create_device_dataset", recording)
+    dist = strategy.experimental_distribute_dataset(tf.data.Dataset.range(8).batch(4))
+    values = [strategy.experimental_local_results(batch) for batch in dist]
+    assert [[v.numpy().tolist() for v in replicas] for replicas in values] == [
+        [[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert len(built) >= 2
+    for ours, tensorflows in built:
+        assert ours.options().autotune.enabled is False
+        assert tensorflows.options().autotune.enabled is not False  # guard

@@ -44,11 +44,15 @@ flags.DEFINE_integer("child_timeout", 900, "Seconds before a child is stopped.")
 flags.DEFINE_string("results", "", "JSON-lines file the runs append to (default: --out.jsonl).")
 flags.DEFINE_boolean("report_only", False, "Only summarise --results into --out.")
 flags.DEFINE_string("out", "docs/benchmarks/bench_recommender", "Output prefix ('' to skip).")
+flags.DEFINE_string("before_dir", "/tmp/tfdp-before-41",
+                    "A checkout of --before_commit for the 'sharded_before' implementation.")
+flags.DEFINE_string("before_commit", "e563938", "tfdp before issue 41's exchange changes.")
 flags.DEFINE_string("child", "", "Internal: the implementation to measure in this process.")
 flags.DEFINE_integer("child_rows", 0, "Internal: rows for --child.")
 
 LABELS = {"one": "one device", "mirrored": "MirroredStrategy", "tfdp": "tfdp",
-          "sharded": "tfdp + ShardedOptimizer"}
+          "sharded": "tfdp + ShardedOptimizer",
+          "sharded_before": "ShardedOptimizer before (e563938)"}
 
 
 def _status_kib(field: str) -> int:
@@ -66,6 +70,7 @@ def child():
     impl, rows = FLAGS.child, FLAGS.child_rows
     import tfdp
 
+    print(f"tfdp from {os.path.dirname(os.path.dirname(tfdp.__file__))}", flush=True)
     if impl != "one":
         tfdp.configure_cpu_replicas(FLAGS.replicas)
     import tensorflow as tf
@@ -85,33 +90,54 @@ def child():
     with strategy.scope():
         model = dlrm.build_dlrm(rows, dim=FLAGS.dim)
         optimizer = keras.optimizers.Adam(1e-3)
-        if impl == "sharded":
+        if impl.startswith("sharded"):
             optimizer = tfdp.ShardedOptimizer(optimizer)
         model.compile(optimizer, "binary_crossentropy")
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(FLAGS.batch, drop_remainder=True)
+
+    class StepTimes(keras.callbacks.Callback):
+        """When each step ends: one fit, so no fit's own start-up is in a step's time."""
+
+        def __init__(self):
+            super().__init__()
+            self.ends = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.ends.append(time.perf_counter())
+
+    times = StepTimes()
     start = time.perf_counter()
-    model.fit(ds.take(FLAGS.warmup), epochs=1, verbose=0)
-    first = time.perf_counter() - start
-    windows = []
-    rest = ds.skip(FLAGS.warmup)
-    for w in range(FLAGS.steps // 2):
-        start = time.perf_counter()
-        model.fit(rest.skip(2 * w).take(2), epochs=1, verbose=0)
-        windows.append((time.perf_counter() - start) / 2)
-    print(json.dumps({"impl": impl, "rows": rows, "replicas": 1 if impl == "one" else FLAGS.replicas,
+    model.fit(ds, epochs=1, verbose=0, callbacks=[times])
+    first = times.ends[FLAGS.warmup - 1] - start
+    steps_timed = [b - a for a, b in zip(times.ends[FLAGS.warmup - 1:], times.ends[FLAGS.warmup:])]
+    windows = [sum(steps_timed[i:i + 2]) / len(steps_timed[i:i + 2])
+               for i in range(0, len(steps_timed), 2)]
+    print(json.dumps({"impl": impl, "rows": rows,
+                      "tfdp": os.path.dirname(os.path.dirname(os.path.abspath(tfdp.__file__))), "replicas": 1 if impl == "one" else FLAGS.replicas,
                       "step_ms": 1000 * statistics.median(windows),
                       "windows_ms": [round(1000 * w, 1) for w in windows],
                       "warmup_s": round(first, 1),
                       "peak_growth_mb": (_status_kib("VmHWM") - before) / 1024}), flush=True)
 
 
+def _before_checkout() -> str:
+    """A worktree of --before_commit at --before_dir (made once)."""
+    if not os.path.isdir(os.path.join(FLAGS.before_dir, "tfdp")):
+        subprocess.run(["git", "worktree", "add", "--detach", FLAGS.before_dir,
+                        FLAGS.before_commit], cwd=ROOT, check=True, capture_output=True)
+    return FLAGS.before_dir
+
+
 def run_child(impl, rows):
+    env = dict(os.environ)
+    if impl == "sharded_before":  # that tree's tfdp first on the path
+        env["PYTHONPATH"] = os.pathsep.join([_before_checkout(), HERE, env.get("PYTHONPATH", "")])
     cmd = [sys.executable, os.path.abspath(__file__), f"--child={impl}", f"--child_rows={rows}",
            f"--replicas={FLAGS.replicas}", f"--dim={FLAGS.dim}", f"--batch={FLAGS.batch}",
            f"--warmup={FLAGS.warmup}", f"--steps={FLAGS.steps}"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=FLAGS.child_timeout,
-                              cwd=ROOT)
+                              cwd=ROOT, env=env)
     except subprocess.TimeoutExpired:
         return {"impl": impl, "rows": rows, "error": f"timed out after {FLAGS.child_timeout} s"}
     for line in reversed(proc.stdout.splitlines()):

@@ -84,6 +84,7 @@ from tfdp._tf_private.data import (
     autograph_user_function,
     dataset_flat_types_and_shapes,
     end_of_data_agreement,
+    patch_device_datasets_without_autotune,
     set_distributed_dataset_cardinality,
     skip_end_of_data_agreement,
 )
@@ -196,6 +197,7 @@ __all__ = [
     # data
     "set_distributed_dataset_cardinality", "skip_end_of_data_agreement",
     "end_of_data_agreement", "dataset_flat_types_and_shapes", "autograph_user_function",
+    "patch_device_datasets_without_autotune",
     # coordination
     "publish_to_coordination_service", "read_from_coordination_service",
     "delete_from_coordination_service",

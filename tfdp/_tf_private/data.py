@@ -27,6 +27,16 @@ from tensorflow.python.autograph.impl import api as _autograph_api
 # tf.data helper computes (Dataset._flat_structure uses it); no public API exposes them.
 from tensorflow.python.data.util import structure as _data_structure
 
+# Why: the per-replica pipelines of a distributed dataset (each replica's prefetch from the
+# multi-device iterator) are built by this module's ``_create_device_dataset`` with default
+# options, which no public option reaches (a user's options stay on the source pipeline).
+# Their iterators then each run a tf.data autotune thread that sleeps up to 60 s between
+# passes, and destroying the iterator (the end of every ``fit`` epoch) waits for that thread:
+# it is woken by the cancellation but can check for it before the cancellation is marked
+# done, and go back to sleep (measured: fit returned 25-88 s after its last step, under tfdp
+# and MirroredStrategy alike; issue 41's examples, issue 44's slow tests).
+from tensorflow.python.data.ops import multi_device_iterator_ops as _multi_device_iterator_ops
+
 
 # --- The distributed dataset (distributed.py, pipeline.py) ---------------------------------
 
@@ -66,6 +76,26 @@ def end_of_data_agreement(distributed_dataset) -> bool | None:
 
 
 # --- Pipelines tfdp.data builds (graph.py, sources.py) --------------------------------------
+
+def patch_device_datasets_without_autotune() -> None:
+    """Every per-replica pipeline of a distributed dataset is built with tf.data's autotune
+    off (see the import's note). It has nothing to tune: a fixed one-element prefetch from
+    the multi-device iterator; the source pipeline keeps its own options."""
+    import tensorflow as tf
+
+    from tfdp._tf_private.core import _patch
+
+    def make(original):
+        def create_device_dataset(*args, **kwargs):
+            options = tf.data.Options()
+            options.autotune.enabled = False
+            return original(*args, **kwargs).with_options(options)
+
+        return create_device_dataset
+
+    _patch(_multi_device_iterator_ops, "_create_device_dataset", make,
+           "per-replica input without tf.data's autotune thread")
+
 
 def dataset_flat_types_and_shapes(element_spec):
     """(output_types, output_shapes) of a dataset with ``element_spec``, as dataset ops take them."""

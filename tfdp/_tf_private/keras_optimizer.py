@@ -19,7 +19,7 @@ from tfdp._tf_private.core import _get, _patch, require_attributes
 # Why: Keras 3 reduces gradients only inside the TensorFlow optimizer backend, *after*
 # clipping them (so clipnorm/global_clipnorm act on local gradients). No public hook
 # lets a strategy reduce earlier, so tfdp patches two methods of this class (see
-# tfdp/strategy/collectives.py, install_keras_gradient_hooks).
+# tfdp/strategy/gradient_hooks.py, install).
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
 # Why: LossScaleOptimizer decides "finite or not" from replica 0's local gradients; tfdp
@@ -216,7 +216,7 @@ def patch_keras_gradient_reduction(make_clip_gradients, make_all_reduce_sum_grad
     Why: Keras 3 reduces gradients in ``_all_reduce_sum_gradients`` only after clipping them in
     ``_clip_gradients``, so clipnorm/global_clipnorm act on local gradients. No public hook
     lets a strategy reduce first; tfdp reduces in the clip step and makes the later
-    all-reduce a pass-through (collectives.install_keras_gradient_hooks).
+    all-reduce a pass-through (gradient_hooks.install).
     """
     _patch(TFOptimizer, "_clip_gradients", make_clip_gradients, "reducing before clipping")
     _patch(TFOptimizer, "_all_reduce_sum_gradients", make_all_reduce_sum_gradients,

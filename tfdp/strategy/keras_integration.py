@@ -7,7 +7,7 @@ acts only under a tfdp strategy: under another strategy, or none, Keras behaves 
 without tfdp. ``uninstall()`` puts back every original Keras and TensorFlow attribute and
 forgets the job, so a later strategy installs afresh. What it installs:
 
-1. Gradients (``collectives.install_keras_gradient_hooks``): Keras reduces gradients before
+1. Gradients (``gradient_hooks.install``): Keras reduces gradients before
    clipping (``clipnorm``/``global_clipnorm`` act on the global gradient, as on one device),
    and a ``LossScaleOptimizer`` skips a step on every replica when any replica overflows.
    With ``shard_parameters=True``, Keras's EMA update writes slices of the averages
@@ -42,8 +42,8 @@ from __future__ import annotations
 import functools
 
 from tfdp import _tf_private
-from tfdp.strategy import (chief_writes, collectives, consensus, randomness, sharded_parameters,
-                           sharded_units, xla)
+from tfdp.strategy import (chief_writes, consensus, gradient_hooks, randomness,
+                           sharded_parameters, sharded_units, xla)
 
 __all__ = ["install", "uninstall", "installed", "install_fit_input", "fit_input", "at_fit_exit",
            "require", "add_feature", "installed_features", "FEATURES"]
@@ -61,7 +61,7 @@ def _collective_timing():
 # feature -> the function that installs its patches (each idempotent). A layer above the
 # strategy adds its own with ``add_feature`` (ShardedOptimizer: "loss_scale_saving").
 FEATURES = {
-    "gradients": lambda: collectives.install_keras_gradient_hooks(),
+    "gradients": lambda: gradient_hooks.install(),
     "zero3_moving_average": lambda: sharded_parameters.install_keras_hooks(),
     "zero3_units": lambda: sharded_units.install_keras_hooks(),
     "xla": lambda: xla.install_keras_hooks(),
@@ -70,8 +70,10 @@ FEATURES = {
     "consensus": lambda: consensus.install(),
     "chief_writes": lambda: chief_writes.install(),
     "collective_timing": _collective_timing,
+    "device_input": lambda: _tf_private.patch_device_datasets_without_autotune(),
 }
-_BASE = ("gradients", "zero3_moving_average", "zero3_units", "xla", "random_draws", "fit_input")
+_BASE = ("gradients", "zero3_moving_average", "zero3_units", "xla", "random_draws", "fit_input",
+         "device_input")
 _by_feature: dict = {}  # feature -> ((owner, attribute), ...) it replaced
 
 

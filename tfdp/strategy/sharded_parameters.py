@@ -29,7 +29,7 @@ What a read means (``ShardSpec``):
   (``set_weights``, loading, restoring) gives each replica its slice. Checkpoints therefore
   hold whole tensors and restore on any replica count.
 
-Gradients: tfdp's Keras hooks (collectives.install_keras_gradient_hooks) all-reduce only the
+Gradients: tfdp's Keras hooks (gradient_hooks.install) all-reduce only the
 mirrored variables' gradients; the sharded ones arrive reduce-scattered. Norms over whole
 tensors (``clipnorm``, ``global_clipnorm``) add each replica's squared slice norms in one
 scalar all-reduce (``clip_gradients``), so clipping equals one device's.
@@ -50,7 +50,7 @@ import keras
 import tensorflow as tf
 
 from tfdp import _tf_private
-from tfdp.strategy import collectives, deadline
+from tfdp.strategy import collectives, deadline, gradient_hooks
 
 __all__ = ["ShardSpec", "shard_layout", "owner_of", "DEFAULT_SHARD_MIN_ELEMENTS",
            "is_sharded", "clip_gradients", "sharded_bytes_per_replica", "slice_gradient",
@@ -470,4 +470,4 @@ def sharded_bytes_per_replica(variables, strategy=None) -> list[int]:
     return totals
 
 
-collectives.SHARDED_HOOKS.update(clip_gradients=clip_gradients, check_optimizer=check_optimizer)
+gradient_hooks.SHARDED_HOOKS.update(clip_gradients=clip_gradients, check_optimizer=check_optimizer)
