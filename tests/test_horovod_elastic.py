@@ -67,7 +67,11 @@ def test_a_killed_worker_resumes_from_the_last_commit(tmp_path, case, request):
     assert all((r["iterations"], r["epoch"], r["batch"]) ==
                (reset["iterations"], reset["epoch"], reset["batch"]) for r in resets)
     committed = (reset["epoch"], reset["batch"])
-    assert committed in trained_before[-3:], (committed, trained_before)
+    # CommitStateCallback runs before the worker's Recorder: rank 0 can be stopped after it
+    # commits a batch and before it records it (a CI run: committed (1, 3), recorded (1, 2)).
+    last_epoch, last_batch = trained_before[-1]
+    assert committed in [*trained_before[-3:], (last_epoch, last_batch + 1)], \
+        (committed, trained_before)
     # the last attempt trains exactly the batches after the commit, each once, then ends
     after = [(e["epoch"], e["batch"], e["iterations"]) for e in last if e["event"] == "batch"]
     expected, (ep, b), it = [], committed, reset["iterations"]

@@ -474,6 +474,19 @@ def test_free_ports_avoid_the_previous_attempts():
         free_ports(1, host="127.0.0.1", avoid=range(0, 65536))
 
 
+def test_free_ports_come_from_below_the_ephemeral_range(monkeypatch):
+    # A port in the kernel's ephemeral range can become some outbound connection's local port
+    # before the worker binds it (a CI run: "Could not start gRPC server" on such a port).
+    from tfdp.launcher import remote
+
+    low, _ = remote._ephemeral_ports()
+    ports = remote.free_ports(16, host="127.0.0.1")
+    assert len(set(ports)) == 16 and all(remote._LOWEST_PORT <= p < low for p in ports)
+    # Guard: where the range leaves no room below it, the kernel chooses (in its range).
+    monkeypatch.setattr(remote, "_ephemeral_ports", lambda: (remote._LOWEST_PORT + 10, 60999))
+    assert all(p >= remote._LOWEST_PORT + 10 for p in remote.free_ports(4, host="127.0.0.1"))
+
+
 def test_a_test_job_past_its_timeout_reports_where_each_process_waited(tmp_path):
     # The suite's own diagnosis of a hang (tests/launching.py): a job that never ends is
     # killed at its timeout, and the error carries its processes' Python stacks (a child's

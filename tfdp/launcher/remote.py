@@ -44,18 +44,54 @@ def tell(message):
         sys.stderr.flush()
 
 
+def _ephemeral_ports() -> tuple:
+    """The kernel's range of ports for outbound connections and ``bind(0)`` (Linux)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(word) for word in f.read().split()[:2])
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+# Ports are drawn at random from below the ephemeral range: a port the kernel hands out there
+# (bind(0), or the local port of any outbound connection, such as another job's gRPC client)
+# can be taken by someone else between this choice and the worker's own bind, which failed a
+# worker with "Could not start gRPC server" in a CI run with other jobs on the host. Below the
+# range only another explicit bind can take it. Where the range starts too low to leave room,
+# the kernel chooses, as before.
+_LOWEST_PORT = 10000
+
+
 def free_ports(count, host="", avoid=()):
     """``count`` distinct TCP ports free on ``host`` ("": every interface), held open together,
     none of them in ``avoid`` (the previous attempt's: a restart gets fresh ports even where
-    the kernel would hand the same one out again)."""
+    the kernel would hand the same one out again), drawn from below the kernel's ephemeral
+    range (see above)."""
+    import random
+
     avoid, sockets, ports = set(avoid), [], []
+    low = _ephemeral_ports()[0]
+    draws = random.Random()
+    tries = 0
     try:
         while len(ports) < count:
             if len(sockets) >= count + min(len(avoid), 192) + 64:  # bounded: fds are finite
                 raise OSError(f"no {count} free ports outside {sorted(avoid)} on {host or 'any'}")
+            tries += 1
+            below = low - _LOWEST_PORT > 1000 and tries <= 256
+            port = draws.randint(_LOWEST_PORT, low - 1) if below else 0
+            if port and (port in avoid or port in ports):
+                continue
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                if not port:
+                    raise
+                continue
             sockets.append(s)
-            s.bind((host, 0))
             if s.getsockname()[1] not in avoid:
                 ports.append(s.getsockname()[1])
         return ports
