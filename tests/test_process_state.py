@@ -90,9 +90,12 @@ def _check_rounds(tmp_path, ranks):
         for k, after in enumerate(rounds[1:], start=1):
             for key in ("state", "python_threads", "handlers", "patches", "sys_exit"):
                 assert after[key] == first[key], (rank, k, key, after[key], first[key])
-        # TensorFlow's own native threads (its pools start lazily): no growth past round 2.
+        # TensorFlow's own native threads: its pools (Eigen, gRPC) start lazily, so one may
+        # appear in any round (CI saw 109 -> 110 in round 3, then flat). A leak adds at least
+        # one per round, i.e. ROUNDS - 2 = 6 from round 2 to the last; allow fewer than half.
         natives = [r["native_threads"] for r in rounds]
-        assert max(natives[1:]) == natives[1] and natives[-1] <= natives[1], natives
+        assert natives[-1] - natives[1] < (ROUNDS - 2) // 2, natives
+        assert sum(b > a for a, b in zip(natives[1:], natives[2:])) < (ROUNDS - 2) // 2, natives
         assert first["python_threads"] == ["MainThread"], first["python_threads"]
         assert first["patches"] == 0 and first["sys_exit"] == "<built-in function exit>"
         fits = [r["fit_seconds"] for r in rounds]
