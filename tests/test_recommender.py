@@ -2,11 +2,11 @@
 interaction, bottom and top MLPs) under tfdp and ShardedOptimizer, against one device
 (issue 41, part 3).
 
-ShardedOptimizer sends a table larger than all other variables together from its one owner:
-those rounds of the all-gather are broadcasts (no filler rows from the others), and the
-receivers write the rows by scatter (tfdp/optimizers/exchange.py). The tests here run that
-path (a guard reads the traced step for the broadcast and the scatter) and compare the
-weights with one device's from the same initial weights.
+ShardedOptimizer sends each table read by lookups whole from its owner, in one broadcast
+that the receivers' variables adopt; a table too large for one message goes in rounds of
+broadcasts whose rows the receivers write by scatter (tfdp/optimizers/exchange.py). The tests
+here run both paths (a guard reads the traced step for which ran) and compare the weights
+with one device's from the same initial weights.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import keras
 
 import tfdp
 from tfdp import _tf_private
+from tfdp.optimizers import exchange
 from tfdp.strategy import collectives
 from helpers import assert_weights_close, cpu_devices
 from launching import run_job, tfdp_run_command, worker_env, worker_script
@@ -46,21 +47,26 @@ def _train(strategy, make_optimizer, sharded=False, epochs=1):
 
 @pytest.fixture
 def traced(monkeypatch):
-    """Counts, while steps are traced, the broadcast rounds and the rows written by scatter."""
-    from tfdp.optimizers import exchange
-
-    counts = {"broadcasts": 0, "scatters": 0}
+    """Counts, while steps are traced, the broadcasts, the whole-table broadcasts and the
+    rows written by scatter."""
+    counts = {"broadcasts": 0, "whole": 0, "scatters": 0}
     broadcast_row, write = collectives.broadcast_row, exchange._write  # noqa: SLF001
+    broadcast_whole = exchange._broadcast_whole  # noqa: SLF001
 
     def counting_broadcast(*args, **kwargs):
         counts["broadcasts"] += 1
         return broadcast_row(*args, **kwargs)
+
+    def counting_whole(*args, **kwargs):
+        counts["whole"] += 1
+        return broadcast_whole(*args, **kwargs)
 
     def counting_write(target, segment, piece, shape, row, looked_up=False):
         counts["scatters"] += bool(looked_up and len(shape) > 1)
         return write(target, segment, piece, shape, row, looked_up)
 
     monkeypatch.setattr(collectives, "broadcast_row", counting_broadcast)
+    monkeypatch.setattr(exchange, "_broadcast_whole", counting_whole)
     monkeypatch.setattr(exchange, "_write", counting_write)
     return counts
 
@@ -90,16 +96,30 @@ def test_broadcast_reaches_every_replica_though_the_sender_drops_its_output():
     assert hasattr(_tf_private, "broadcast")
 
 
-@pytest.mark.parametrize("opt_name", [
-    "adam", pytest.param("adagrad", marks=pytest.mark.slow),
-    pytest.param("adamw_global_clipnorm", marks=pytest.mark.slow)])
-def test_dlrm_under_sharded_optimizer_trains_like_one_device(opt_name, traced):
+def test_whole_tables_are_the_looked_up_matrices_up_to_the_cap():
+    shapes = {0: (1000, 8), 1: (8,), 2: (10, 4), 3: (5000, 8)}
+    assert exchange.whole_tables(shapes, {0, 2, 3}, 4) == [0, 2, 3]
+    assert exchange.whole_tables(shapes, {0, 1}, 4) == [0]  # a vector is no table; 2 not looked up
+    cap = exchange._WHOLE_TABLE_MAX_BYTES  # noqa: SLF001
+    assert exchange.whole_tables({0: (cap // 32, 8), 1: (cap // 32 + 1, 8)}, {0, 1}, 4) == [0]
+
+
+@pytest.mark.parametrize("opt_name,path", [
+    ("adam", "whole"), ("adam", "rounds"),
+    pytest.param("adagrad", "whole", marks=pytest.mark.slow),
+    pytest.param("adamw_global_clipnorm", "whole", marks=pytest.mark.slow)])
+def test_dlrm_under_sharded_optimizer_trains_like_one_device(opt_name, path, traced, monkeypatch):
+    if path == "rounds":  # as for a table over the cap: rounds of broadcasts, rows scattered
+        monkeypatch.setattr(exchange, "_WHOLE_TABLE_MAX_BYTES", 0)
     reference = _train(None, OPTIMIZERS[opt_name]).get_weights()
     strategy = tfdp.DataParallelStrategy(devices=cpu_devices(4),
                                          bucket_bytes=SMALL_ROUNDS_BUCKET_BYTES)
     model = _train(strategy, OPTIMIZERS[opt_name], sharded=True)
-    # Guard: the new path ran (broadcast rounds, rows written by scatter).
-    assert traced["broadcasts"] >= 4 and traced["scatters"] >= 4, traced
+    # Guard: the path under test ran.
+    if path == "whole":  # the three tables (the large one and two small ones), no scatter
+        assert traced["whole"] >= 3 and traced["scatters"] == 0, traced
+    else:
+        assert traced["whole"] == 0 and traced["broadcasts"] >= 4 and traced["scatters"] >= 4, traced
     assert_weights_close(model.get_weights(), reference)
     for var in model.trainable_variables:  # every replica holds the same table
         parts = [np.asarray(p) for p in strategy.experimental_local_results(var.value)]
@@ -116,13 +136,13 @@ def test_dlrm_under_tfdp_trains_like_one_device():
 
 @pytest.mark.slow
 def test_dlrm_on_two_workers_under_sharded_optimizer_trains_like_one_device(tmp_path):
-    """2 workers x 2 replicas: the table's broadcasts cross the process boundary (gRPC)."""
+    """2 workers x 2 replicas: the whole-table broadcasts cross the process boundary (gRPC)."""
     environ = worker_env(TFDP_TEST_OUT=tmp_path, TF_CPP_MIN_LOG_LEVEL=2)
     code, out = run_job(tfdp_run_command(worker_script("mw_recommender.py"), cpu_replicas=2),
                         environ, 240)
     assert code == 0, out
-    rounds = [int(n) for n in re.findall(r"(\d+) bcast rounds", out)]
-    assert rounds and min(rounds) >= 4, out  # guard: the table went by broadcast (the chief says)
+    tables = [int(n) for n in re.findall(r"(\d+) whole-table broadcasts", out)]
+    assert tables and min(tables) >= 3, out  # guard: the tables went whole (each worker says)
     reference = _train(None, OPTIMIZERS["adam"]).get_weights()
     for rank in range(2):
         saved = dict(np.load(tmp_path / f"weights-{rank}.npz"))

@@ -1,8 +1,8 @@
 """A worker for the recommender test on several workers, started by tfdp-run (real processes).
 
 Trains tools/dlrm.py's model (tests/test_recommender.py's configuration) under
-ShardedOptimizer(Adam) with rounds small enough that the large table goes from its owner by
-broadcast, and writes this worker's final weights to OUT/weights-<rank>.npz.
+ShardedOptimizer(Adam): each table goes whole from its owner by broadcast, the other
+variables in rounds. Writes this worker's final weights to OUT/weights-<rank>.npz.
 
 Env knobs: TFDP_TEST_OUT.
 """
@@ -21,19 +21,19 @@ from recommender_cases import GLOBAL_BATCH, SMALL_ROUNDS_BUCKET_BYTES, build, da
 rank = int(os.environ.get("TFDP_RANK", "0"))
 out = os.environ["TFDP_TEST_OUT"]
 
-from tfdp.strategy import collectives  # noqa: E402
+from tfdp.optimizers import exchange  # noqa: E402
 
-bcasts = 0
-_broadcast_row = collectives.broadcast_row
-
-
-def counting_broadcast(*args, **kwargs):  # counts the broadcast rounds as the step is traced
-    global bcasts
-    bcasts += 1
-    return _broadcast_row(*args, **kwargs)
+tables = 0
+_broadcast_whole = exchange._broadcast_whole  # noqa: SLF001
 
 
-collectives.broadcast_row = counting_broadcast
+def counting_broadcast_whole(*args, **kwargs):  # counts the whole-table broadcasts as traced
+    global tables
+    tables += 1
+    return _broadcast_whole(*args, **kwargs)
+
+
+exchange._broadcast_whole = counting_broadcast_whole  # noqa: SLF001
 strategy = tfdp.DataParallelStrategy(bucket_bytes=SMALL_ROUNDS_BUCKET_BYTES)
 x, y = data()
 with strategy.scope():
@@ -41,6 +41,6 @@ with strategy.scope():
     model.compile(tfdp.ShardedOptimizer(keras.optimizers.Adam(0.01)), "binary_crossentropy")
 train = tfdp.data.distribute(strategy, tf.data.Dataset.from_tensor_slices((x, y)), GLOBAL_BATCH)
 history = model.fit(train, epochs=1, verbose=0)
-print(f"rank {rank}: {strategy.num_replicas_in_sync} replicas, {bcasts} bcast rounds "
+print(f"rank {rank}: {strategy.num_replicas_in_sync} replicas, {tables} whole-table broadcasts "
       f"traced, loss {history.history['loss']}", flush=True)
 np.savez(os.path.join(out, f"weights-{rank}.npz"), *model.get_weights())

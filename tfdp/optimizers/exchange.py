@@ -24,6 +24,15 @@ element of the round's data (never read back: receivers keep only the elements o
 segments), not with zeros, because TensorFlow's graph optimiser folds a zeros tensor of static
 shape into a constant that stays in memory for the life of the traced step.
 
+A table read by lookups (``looked_up``: its gradient is sparse) is the exception: its owner
+broadcasts it whole, in one collective of its own, and each receiver's variable adopts the
+received buffer (``AssignVariableOp``; no copy). Written in rounds, each receiver copied every
+row a second time, and the row scatter that wrote them fast put the table in TensorFlow's
+copy-on-read mode, where the lookups' dense read copied it once more every step (issue 41).
+A receiver then holds one extra table while it arrives (the old buffer is freed as the new
+one is adopted), and tables are broadcast one after another. A table over
+``_WHOLE_TABLE_MAX_BYTES`` (gRPC carries a message of at most 2 GiB) goes in rounds.
+
 Results equal the one-shot exchange's: every element is summed over the same replicas
 (received rows in group-rank order, as before); the values gathered are the owners' bits.
 """
@@ -36,7 +45,7 @@ import tensorflow as tf
 from tfdp.optimizers import packing
 from tfdp.strategy import collectives
 
-__all__ = ["reduce_to_owners", "gather_from_owners", "round_elements"]
+__all__ = ["reduce_to_owners", "gather_from_owners", "round_elements", "whole_tables"]
 
 # When the strategy does not say (no tfdp strategy: one replica), rounds of this many bytes.
 _DEFAULT_ROUND_BYTES = 32 * 1024 * 1024
@@ -46,6 +55,8 @@ _DEFAULT_ROUND_BYTES = 32 * 1024 * 1024
 # (each round is one collective, latency bound on small tensors).
 _MIN_ROUND_BYTES = 4 * 1024 * 1024
 _ROUNDS_PER_EXCHANGE = 8
+# A looked-up table up to this size is broadcast whole (gRPC's messages stop at 2 GiB).
+_WHOLE_TABLE_MAX_BYTES = 1 << 30
 
 
 def _num_elements(shape) -> int:
@@ -116,11 +127,12 @@ def _write(target, segment, piece, shape, row, looked_up=False):
     gathered buffer alive after the step (measured: a 4 MB slice of a 16 MB tensor kept
     16 MB), and a tensor spanning rounds needs no assembled copy.
 
-    A table read by lookups (``looked_up``) is written by a row scatter: TensorFlow's
-    strided-slice assignment moved about 1.6 GB/s here (790 ms a step for a 1M x 64 table
-    on 4 replicas, issue 41) where the scatter copies whole rows. Other variables keep the
-    slice assignment: a scatter puts a variable in TensorFlow's copy-on-read mode (every
-    later dense read copies it), which a lookup has already done to a table."""
+    A table read by lookups (``looked_up``) that is too large to go whole is written by a
+    row scatter: TensorFlow's strided-slice assignment moved about 1.6 GB/s here (790 ms a
+    step for a 1M x 64 table on 4 replicas, issue 41) where the scatter copies whole rows.
+    Other variables keep the slice assignment: a scatter puts a variable in TensorFlow's
+    copy-on-read mode, where every later dense read (Keras's lookups read the table densely)
+    copies it."""
     if not shape:  # a scalar has no rows: assign a copy of its own
         return tf.raw_ops.AssignVariableOp(resource=target.handle,
                                            value=tf.raw_ops.DeepCopy(x=tf.reshape(piece, [])))
@@ -132,6 +144,27 @@ def _write(target, segment, piece, shape, row, looked_up=False):
     return tf.raw_ops.ResourceStridedSliceAssign(
         ref=target.handle, begin=[first], end=[last], strides=[1],
         value=tf.reshape(piece, [last - first, *shape[1:]]))
+
+
+def whole_tables(shapes, looked_up, itemsize) -> list:
+    """The indices of the looked-up tables (matrices) broadcast whole rather than in rounds:
+    those of at most ``_WHOLE_TABLE_MAX_BYTES``. Pure."""
+    return sorted(i for i in looked_up if i in shapes and len(shapes[i]) > 1
+                  and _num_elements(shapes[i]) * itemsize <= _WHOLE_TABLE_MAX_BYTES)
+
+
+def _broadcast_whole(target, source, shape, owner, me, dtype, strategy, assign_own):
+    """The owner's ``source`` broadcast to every replica's ``target``; the receivers' variables
+    adopt the received buffer. The owner assigns its own target only when ``assign_own``
+    (``source`` is not ``target``). Returns an op to order what follows after it."""
+    width = _num_elements(shape)
+    value = tf.reshape(tf.cast(source.value, dtype), [-1]) if me == owner else None
+    row = collectives.broadcast_row(value, width, dtype, strategy)
+    if me == owner and not assign_own:
+        return row  # sent (broadcast_row marks the send to run)
+    # A variable assigned the last reference to a tensor adopts its buffer; a later in-place
+    # update copies it first if another reference remains (TensorFlow's copy-on-write).
+    return tf.raw_ops.AssignVariableOp(resource=target.handle, value=tf.reshape(row, shape))
 
 
 def reduce_to_owners(grads, variables, owners, me, strategy) -> dict:
@@ -197,6 +230,17 @@ def gather_from_owners(targets, owners, me, strategy, sources=None, looked_up=()
     send = targets if sources is None else sources
     dtype = tf.as_dtype(next(iter(targets.values())).dtype)
     shapes = {i: tuple(v.shape) for i, v in targets.items()}
+    tables = whole_tables(shapes, looked_up, dtype.size)
+    previous = []
+    for index in tables:
+        # One table at a time: a receiver holds one extra table while it arrives.
+        with tf.control_dependencies(previous):
+            previous = [_broadcast_whole(targets[index], send[index], shapes[index],
+                                         owners[index], me, dtype, strategy,
+                                         assign_own=sources is not None)]
+    shapes = {i: s for i, s in shapes.items() if i not in tables}
+    if not shapes:
+        return
     sizes, rows_of, rounds = _plan(shapes, owners, num_replicas, strategy, dtype.size)
     # Each variable this replica sends is read once per exchange, not once per round: a
     # table looked up by ``Embedding`` is in TensorFlow's copy-on-read mode (its sparse
@@ -212,8 +256,7 @@ def gather_from_owners(targets, owners, me, strategy, sources=None, looked_up=()
 
     # A replica that sends nothing fills its row from the smallest variable (a bias, say),
     # never from one that could be the table.
-    smallest = min((i for i in targets if sizes[i]), key=lambda i: sizes[i], default=None)
-    previous = []
+    smallest = min((i for i in shapes if sizes[i]), key=lambda i: sizes[i], default=None)
     for plan in rounds:
         senders = [r for r in range(num_replicas) if plan.rows[r]]
         with tf.control_dependencies(previous):
