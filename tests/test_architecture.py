@@ -48,7 +48,7 @@ PURE_PYTHON = ["tfdp.cluster", "tfdp.protocol", "tfdp.said_once", "tfdp.process_
                "tfdp.launcher.processes", "tfdp.launcher.hosts", "tfdp.launcher.remote",
                "tfdp.resilience", "tfdp.strategy.options", "tfdp.strategy.lifecycle",
                "tfdp.strategy.deadline", "tfdp.strategy.agreement", "tfdp.strategy.timing",
-               "tfdp.run"]
+               "tfdp.strategy.buckets", "tfdp.run"]
 
 
 def _env():

@@ -10,7 +10,7 @@ import keras
 import tfdp
 from tfdp.strategy import lifecycle
 from tfdp.strategy import options
-from tfdp.strategy.collectives import plan_buckets
+from tfdp.strategy.buckets import plan_buckets
 from helpers import (assert_weights_close, classification_data, cpu_devices,
                      initial_weights, mlp, replica_components, train)
 
@@ -44,12 +44,12 @@ def test_nccl_without_gpu_is_a_clear_error():
     (tf.uint8, "CPU", tf.int64), (tf.int16, "GPU", tf.int64), (tf.uint32, "GPU", tf.int64),
 ])
 def test_reduce_dtype_policy(dtype, device, expected):
-    from tfdp.strategy.collectives import reduce_dtype
+    from tfdp.strategy.wire import reduce_dtype
     assert reduce_dtype(dtype, device) == expected
 
 
 def test_reduce_dtype_refuses_what_no_widening_holds():
-    from tfdp.strategy.collectives import reduce_dtype
+    from tfdp.strategy.wire import reduce_dtype
     for dtype in (tf.uint64, tf.complex64, tf.string):
         with pytest.raises(TypeError, match="Cast them to float32 or int64"):
             reduce_dtype(dtype, "GPU")

@@ -385,16 +385,15 @@ def test_collective_ops_patch_times_every_collective_of_a_step():
     # an all-gather and a reduce-scatter (all-to-all) each report one wait per replica.
     import tensorflow as tf
     from helpers import cpu_devices
-    from tfdp.strategy import collectives
     from tfdp.resilience import stragglers
-    from tfdp.strategy import timing
+    from tfdp.strategy import replica_ops, timing
 
     strategy = tfdp.DataParallelStrategy(devices=cpu_devices(2))
 
     def replica():
         total = tf.distribute.get_replica_context().all_reduce("sum", tf.constant([1.0]))
-        gathered = collectives.all_gather(tf.constant([2.0]))
-        scattered = collectives.reduce_scatter(tf.ones([2, 3]))
+        gathered = replica_ops.all_gather(tf.constant([2.0]))
+        scattered = replica_ops.reduce_scatter(tf.ones([2, 3]))
         return total, gathered, scattered
 
     timing.install_collective_timing()

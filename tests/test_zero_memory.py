@@ -13,7 +13,7 @@ import pytest
 
 import zero_memory as zm  # tools/ is on pytest's pythonpath
 from tfdp.optimizers import exchange, packing
-from tfdp.strategy import collectives
+from tfdp.strategy import replica_ops
 
 PEAK_REPLICAS = 8
 PEAK_MODEL = "6x2048"  # 6 hidden layers of 2048 on 1024 inputs: 23.1M parameters
@@ -126,14 +126,14 @@ def test_group_rank_order_follows_tensorflow():
     ranks are tasks 0, 1, 10, 11, 2, ..., 9 (task names in string order); within a worker
     devices go by index."""
     cpus = [f"/job:worker/replica:0/task:0/device:CPU:{i}" for i in range(2)]
-    assert collectives.group_rank_order(_fake_strategy(1, cpus)) == [0, 1]
-    assert collectives.group_rank_order(_fake_strategy(4, cpus)) == list(range(8))
-    twelve = collectives.group_rank_order(_fake_strategy(12, cpus[:1]))
+    assert replica_ops.group_rank_order(_fake_strategy(1, cpus)) == [0, 1]
+    assert replica_ops.group_rank_order(_fake_strategy(4, cpus)) == list(range(8))
+    twelve = replica_ops.group_rank_order(_fake_strategy(12, cpus[:1]))
     assert twelve == [0, 1, 10, 11, 2, 3, 4, 5, 6, 7, 8, 9]
     # A chief is rank 0 and "/job:chief" sorts before "/job:worker".
-    assert collectives.group_rank_order(_fake_strategy(12, cpus[:1], chief=True))[:4] == [0, 1, 2, 11]
+    assert replica_ops.group_rank_order(_fake_strategy(12, cpus[:1], chief=True))[:4] == [0, 1, 2, 11]
     # Local devices listed out of index order.
     swapped = [cpus[1], cpus[0]]
-    assert collectives.group_rank_order(_fake_strategy(2, swapped)) == [1, 0, 3, 2]
-    assert collectives.all_to_all_is_exact(_fake_strategy(1, cpus * 5))
-    assert not collectives.all_to_all_is_exact(_fake_strategy(1, cpus * 6))
+    assert replica_ops.group_rank_order(_fake_strategy(2, swapped)) == [1, 0, 3, 2]
+    assert replica_ops.all_to_all_is_exact(_fake_strategy(1, cpus * 5))
+    assert not replica_ops.all_to_all_is_exact(_fake_strategy(1, cpus * 6))

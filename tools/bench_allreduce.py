@@ -51,7 +51,7 @@ def main(argv):
     import tensorflow as tf
 
     import tfdp
-    from tfdp.strategy import collectives
+    from tfdp.strategy import collectives, replica_ops
 
     n = FLAGS.replicas
     tfdp.configure_cpu_replicas(n)
@@ -83,9 +83,9 @@ def main(argv):
                 if op == "all_reduce":
                     return collectives.all_reduce(v)
                 if op == "reduce_scatter":
-                    return collectives.reduce_scatter(tf.reshape(v, [n, -1]))
+                    return replica_ops.reduce_scatter(tf.reshape(v, [n, -1]))
                 if op == "all_gather":
-                    return collectives.all_gather(v[: tf.size(v) // n])
+                    return replica_ops.all_gather(v[: tf.size(v) // n])
                 return tf.distribute.get_replica_context().all_reduce("SUM", v)  # TF default
             return strategy.run(step, args=(x,))
         return run

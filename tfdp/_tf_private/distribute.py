@@ -3,9 +3,9 @@
 What lives here: the classes under MultiWorkerMirroredStrategy that tfdp's
 DataParallelStrategy subclasses and builds (tfdp/strategy/data_parallel.py), the hooks it
 overrides, the collective launchers and ops tfdp's own collectives reuse
-(tfdp/strategy/collectives.py, tfdp/optimizers/sharded.py), the XLA-trace test, the
-collective-op patch of StragglerMonitor and the collective abort of the step deadline. Each
-entry says why no public API serves; tests/test_tf_private.py pins them.
+(tfdp/strategy/collectives.py and replica_ops.py, tfdp/optimizers/sharded.py), the
+XLA-trace test, the collective-op patch of StragglerMonitor and the collective abort of the
+step deadline. Each entry says why no public API serves; tests/test_tf_private.py pins them.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def in_xla_context(graph) -> bool:
     return bool(_graph_or_parents_in_xla_context(graph))
 
 
-# --- Collectives (collectives.py, sharded.py) ----------------------------------------------
+# --- Collectives (collectives.py, replica_ops.py, sharded.py) ------------------------------
 
 def all_to_all(launcher, value, options):
     """``t[i]`` goes to group rank i: CollectiveAllToAllV2 with ``launcher``'s keys."""

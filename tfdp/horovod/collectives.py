@@ -40,6 +40,7 @@ import tensorflow as tf
 from tfdp.horovod import _runtime
 from tfdp.strategy import collectives as _tfdp_collectives
 from tfdp.strategy import deadline
+from tfdp.strategy import replica_ops as _tfdp_replica_ops
 
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression", "allreduce",
            "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
@@ -211,8 +212,8 @@ def _gather_even(t):
     if _num_replicas() == 1:
         return t
     if t.dtype == tf.bool:
-        return tf.cast(_tfdp_collectives.all_gather(tf.cast(t, tf.int32)), tf.bool)
-    return _tfdp_collectives.all_gather(t)
+        return tf.cast(_tfdp_replica_ops.all_gather(tf.cast(t, tf.int32)), tf.bool)
+    return _tfdp_replica_ops.all_gather(t)
 
 
 def _gather_uneven(t):

@@ -98,7 +98,8 @@ from tfdp.optimizers._layerwise import dense
 from tfdp.optimizers.sharded_state import (ConsolidatedState, StatePlacement, _is_stand_in,
                                            install_loss_scale_saving_hooks,
                                            optimizer_state_bytes_per_replica)
-from tfdp.strategy import collectives, is_data_parallel, keras_integration, sparse_gradients
+from tfdp.strategy import (collectives, is_data_parallel, keras_integration, replica_ops,
+                           sparse_gradients)
 
 __all__ = ["ShardedOptimizer", "partition", "ACCUMULATION_MODES"]
 
@@ -351,7 +352,7 @@ class ShardedOptimizer(ConsolidatedState, keras.optimizers.Optimizer):
     def _replica_id(self):
         if self._num_replicas == 1:
             return 0
-        return collectives.global_replica_id(_tf_private.optimizer_strategy(self))
+        return replica_ops.global_replica_id(_tf_private.optimizer_strategy(self))
 
     def _reduce_update_gather(self, grad_of, indices, by_index, me):
         """Steps 1-4 on these (local) gradients."""
@@ -446,7 +447,7 @@ class ShardedOptimizer(ConsolidatedState, keras.optimizers.Optimizer):
         @tf.function
         def overwrite():
             strategy.run(lambda: self._copy_averages_to_variables(
-                collectives.global_replica_id(strategy), indices))
+                replica_ops.global_replica_id(strategy), indices))
 
         overwrite()
 

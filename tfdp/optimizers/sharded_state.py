@@ -31,7 +31,7 @@ import keras
 
 from tfdp import _tf_private
 from tfdp.optimizers import packing
-from tfdp.strategy import collectives, is_data_parallel
+from tfdp.strategy import is_data_parallel, replica_ops
 
 __all__ = ["StatePlacement", "ConsolidatedState", "variable_bytes_per_device",
            "optimizer_state_bytes_per_replica", "install_loss_scale_saving_hooks",
@@ -279,9 +279,9 @@ class ConsolidatedState:
             @tf.function
             def gather(slots_of=slots_of, width=width, dtype=dtype):
                 def fn():
-                    me = collectives.global_replica_id(strategy)
+                    me = replica_ops.global_replica_id(strategy)
                     local = packing.pack([slots[k][0].value for k in slots_of[me]], width, dtype)
-                    return collectives.all_gather(local[tf.newaxis], axis=0)
+                    return replica_ops.all_gather(local[tf.newaxis], axis=0)
                 return strategy.run(fn)
 
             table = strategy.experimental_local_results(gather())[0].numpy()

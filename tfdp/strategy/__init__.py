@@ -4,7 +4,10 @@
 * ``options``: the pure resolution of the constructor's arguments (communication, devices,
   deadlines, checks).
 * ``devices``: local devices, ``configure_cpu_replicas``, GPUs shared between replicas.
-* ``collectives``: bucketed, compressed all-reduce, reduce-scatter, all-gather, riders.
+* ``collectives``: the gradient all-reduce (buckets, launch order, pacing); ``buckets``: the
+  bucket plan; ``wire``: dtypes, compression and options of every collective; ``riders``:
+  values that ride with the gradients; ``replica_ops``: all-gather, reduce-scatter and
+  broadcast in replica order, replica ids.
 * ``xla``: the compiled per-replica step under the strategy.
 * ``deadline``: the per-step deadline that turns a missing peer into an error.
 * ``agreement``: every worker learns the same small vector (one all-reduce, under the deadline).

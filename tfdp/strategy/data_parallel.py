@@ -21,7 +21,7 @@ many workers from ``TF_CONFIG``. What tfdp adds on top:
   with several CPU replicas or several local GPUs, is refused at trace time with one clear
   error (``jit_compile_error``) pointing to ``tfdp.compile_gradients``;
 * values TensorFlow's collectives cannot sum on the replicas' devices (int32 labels on
-  GPUs, bool flags anywhere) are reduced in a dtype they can (``collectives.reduce_dtype``);
+  GPUs, bool flags anywhere) are reduced in a dtype they can (``wire.reduce_dtype``);
 * replicas that share a physical GPU (logical GPUs, or workers of one host) are detected
   before the first collective: ``"auto"`` then uses ring collectives, ``"nccl"`` is an error
   (``devices.shared_gpu``);
@@ -51,6 +51,7 @@ from tfdp.strategy import devices as devices_lib
 from tfdp.strategy.options import (DEFAULT_BUCKET_BYTES, DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS,
                                    check_compression, describe_shared_gpu, jit_compile_error,
                                    resolve_communication, resolve_options)
+from tfdp.strategy.wire import reduce_dtype
 
 __all__ = ["DataParallelStrategy"]
 
@@ -96,7 +97,7 @@ class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
     def __init__(self, container, cluster_resolver, options, local_device_type,
                  local_device_indices):
         self._tfdp_device_type = local_device_type
-        # The device type whose collective dtype limits apply (collectives.reduce_dtype).
+        # The device type whose collective dtype limits apply (wire.reduce_dtype).
         self._tfdp_reduce_device_type = local_device_type
         self._tfdp_device_indices = list(local_device_indices)
         # None: every variable mirrored; else shard_parameters=True with this threshold.
@@ -161,7 +162,7 @@ class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
         # devices (int32 labels on GPUs, bool flags) travel in one they can.
         dtype = getattr(value.values[0] if isinstance(value, _tf_private.DistributedValues)
                         else value, "dtype", None)
-        wire = collectives.reduce_dtype(dtype, self._tfdp_reduce_device_type) if dtype else None
+        wire = reduce_dtype(dtype, self._tfdp_reduce_device_type) if dtype else None
         if wire is None:
             return super()._reduce_to(reduce_op, value, destinations, options)
         value = _tf_private.map_distributed(lambda t: tf.cast(t, wire), value)
@@ -171,7 +172,7 @@ class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
         # ReplicaContext.all_reduce (tfdp's gradient buckets, metrics, custom loops).
         flat = tf.nest.flatten(value)
-        wires = [collectives.reduce_dtype(t.dtype, self._tfdp_reduce_device_type)
+        wires = [reduce_dtype(t.dtype, self._tfdp_reduce_device_type)
                  if isinstance(t, tf.Tensor) else None for t in flat]
         if not any(wires):
             return super()._replica_ctx_all_reduce(reduce_op, value, options)

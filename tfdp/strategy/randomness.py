@@ -47,7 +47,7 @@ import inspect
 import tensorflow as tf
 
 from tfdp import _tf_private
-from tfdp.strategy import collectives
+from tfdp.strategy import replica_ops
 from tfdp.strategy.replica_batch import current as _current
 from tfdp.strategy.replica_batch import leading_batch_size
 from tfdp.strategy.replica_batch import running as _running
@@ -72,7 +72,7 @@ def _seed(seed_argument, strategy, batch):
     """The one seed tensor of this draw; replica-folded where draws are only independent."""
     seed = _tf_private.keras_draw_seed(seed_argument)
     if batch is None or strategy.random_draws == "independent":
-        replica = tf.cast(collectives.global_replica_id(strategy), seed.dtype)
+        replica = tf.cast(replica_ops.global_replica_id(strategy), seed.dtype)
         seed = seed + tf.stack([tf.zeros_like(replica), (replica + 1) * 7919])
     return _tf_private.drawn_seed(seed)
 
@@ -101,8 +101,8 @@ def _global_rows(strategy, batch):
     dealt_to, unit = getattr(strategy, "_tfdp_dealt_to", (1, "element"))
     rows = tf.range(batch, dtype=tf.int32)
     if dealt_to == 1:
-        return tf.cast(collectives.global_replica_id(strategy), tf.int32) * batch + rows
-    local = tf.cast(collectives.local_replica_index(), tf.int32)
+        return tf.cast(replica_ops.global_replica_id(strategy), tf.int32) * batch + rows
+    local = tf.cast(replica_ops.local_replica_index(), tf.int32)
     if unit == "batch":
         return (strategy.cluster.rank + dealt_to * local) * batch + rows
     return strategy.cluster.rank + dealt_to * (local * batch + rows)

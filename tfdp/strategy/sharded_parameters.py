@@ -50,7 +50,7 @@ import keras
 import tensorflow as tf
 
 from tfdp import _tf_private
-from tfdp.strategy import collectives, deadline, gradient_hooks
+from tfdp.strategy import collectives, deadline, gradient_hooks, replica_ops
 
 __all__ = ["ShardSpec", "shard_layout", "owner_of", "DEFAULT_SHARD_MIN_ELEMENTS",
            "is_sharded", "clip_gradients", "sharded_bytes_per_replica", "slice_gradient",
@@ -201,11 +201,11 @@ def _gather_with_reduce_scatter_gradient(shard, spec: ShardSpec):
 
     @tf.custom_gradient
     def gather(x):
-        whole = spec.whole_from_flat(collectives.all_gather(x))
+        whole = spec.whole_from_flat(replica_ops.all_gather(x))
 
         def grad(dy):
             flat = spec.flat_padded(tf.convert_to_tensor(dy))
-            return collectives.reduce_scatter(tf.reshape(flat, [num_shards, size]))
+            return replica_ops.reduce_scatter(tf.reshape(flat, [num_shards, size]))
 
         return whole, grad
 
@@ -218,7 +218,7 @@ def slice_gradient(variable, whole_gradient):
     replica's read would have run in the backward pass."""
     spec = _tf_private.sharded_container(getattr(variable, "value", variable)).tfdp_spec
     flat = spec.flat_padded(tf.convert_to_tensor(whole_gradient))
-    return collectives.reduce_scatter(tf.reshape(flat, [spec.num_shards, spec.shard_size]))
+    return replica_ops.reduce_scatter(tf.reshape(flat, [spec.num_shards, spec.shard_size]))
 
 
 def _gather_across_workers(components, spec: ShardSpec):
@@ -233,8 +233,8 @@ def _gather_across_workers(components, spec: ShardSpec):
         @tf.function
         def gather():
             def fn():
-                local = components[collectives.local_replica_index()]
-                return collectives.all_gather(local.value())
+                local = components[replica_ops.local_replica_index()]
+                return replica_ops.all_gather(local.value())
             return strategy.run(fn)
         spec._gather_function = gather
         first = True
