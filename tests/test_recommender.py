@@ -21,7 +21,7 @@ import keras
 import tfdp
 from tfdp import _tf_private
 from tfdp.optimizers import exchange
-from tfdp.strategy import collectives
+from tfdp.strategy import replica_ops
 from helpers import assert_weights_close, cpu_devices
 from launching import run_job, tfdp_run_command, worker_env, worker_script
 from recommender_cases import GLOBAL_BATCH, SMALL_ROUNDS_BUCKET_BYTES, build, data
@@ -50,7 +50,7 @@ def traced(monkeypatch):
     """Counts, while steps are traced, the broadcasts, the whole-table broadcasts and the
     rows written by scatter."""
     counts = {"broadcasts": 0, "whole": 0, "scatters": 0}
-    broadcast_row, write = collectives.broadcast_row, exchange._write  # noqa: SLF001
+    broadcast_row, write = replica_ops.broadcast_row, exchange._write  # noqa: SLF001
     broadcast_whole = exchange._broadcast_whole  # noqa: SLF001
 
     def counting_broadcast(*args, **kwargs):
@@ -65,7 +65,7 @@ def traced(monkeypatch):
         counts["scatters"] += bool(looked_up and len(shape) > 1)
         return write(target, segment, piece, shape, row, looked_up)
 
-    monkeypatch.setattr(collectives, "broadcast_row", counting_broadcast)
+    monkeypatch.setattr(replica_ops, "broadcast_row", counting_broadcast)
     monkeypatch.setattr(exchange, "_broadcast_whole", counting_whole)
     monkeypatch.setattr(exchange, "_write", counting_write)
     return counts
@@ -82,9 +82,9 @@ def test_broadcast_reaches_every_replica_though_the_sender_drops_its_output():
     strategy = tfdp.DataParallelStrategy(devices=cpu_devices(3))
 
     def replica_fn():
-        me = collectives.local_replica_index()
+        me = replica_ops.local_replica_index()
         row = tf.constant([1.0, 2.0, 3.0]) if me == 2 else None
-        got = collectives.broadcast_row(row, 3, tf.float32)
+        got = replica_ops.broadcast_row(row, 3, tf.float32)
         return tf.constant([0.0, 0.0, 0.0]) if me == 2 else got  # the sender drops its output
 
     step = tf.function(lambda: strategy.run(replica_fn))

@@ -337,11 +337,11 @@ def test_compression_stays_within_dtype_tolerance(compression, tol):
 
 @pytest.mark.parametrize("compression", [None, "fp16"])
 def test_logs_ride_in_the_gradient_all_reduce_and_pass_the_strategy_reduce(compression):
-    """collectives.LogsRider: each replica's logs come back averaged over all replicas from
+    """riders.LogsRider: each replica's logs come back averaged over all replicas from
     the gradient all-reduce (no collective of their own), and strategy.reduce passes them
     through. Guards: a reduction under a condition (gradient accumulation, loss scaling) and
     a compressed bucket leave the logs to the usual reduction."""
-    from tfdp.strategy import collectives
+    from tfdp.strategy import collectives, riders
 
     strategy = tfdp.DataParallelStrategy(devices=cpu_devices(4), compression=compression)
 
@@ -349,9 +349,9 @@ def test_logs_ride_in_the_gradient_all_reduce_and_pass_the_strategy_reduce(compr
         ctx = tf.distribute.get_replica_context()
         r = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
         logs = {"loss": r + 1.0, "acc": 10.0 * r}
-        rider = collectives.LogsRider.of(logs, ctx.num_replicas_in_sync)
+        rider = riders.LogsRider.of(logs, ctx.num_replicas_in_sync)
         grads = [tf.fill([3], r)]
-        with collectives.riding_with_gradients(rider):
+        with riders.riding_with_gradients(rider):
             if conditional:
                 grads = tf.cond(r >= 0.0, lambda: collectives.all_reduce_gradients(grads),
                                 lambda: grads)
@@ -380,14 +380,14 @@ def test_logs_ride_in_the_gradient_all_reduce_and_pass_the_strategy_reduce(compr
 def test_riders_cost_no_copy_of_the_bucket_beyond_its_own_packing():
     """The riders join the bucket's one concatenation and leave by its one split (before, a
     second concatenation and a slice copied the whole bucket again: 2 ConcatV2 per replica)."""
-    from tfdp.strategy import collectives
+    from tfdp.strategy import collectives, riders
 
     strategy = tfdp.DataParallelStrategy(devices=cpu_devices(4))
 
     def replica_fn():
         r = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
-        rider = collectives.LogsRider.of({"loss": r}, 4)
-        with collectives.riding_with_gradients(rider):
+        rider = riders.LogsRider.of({"loss": r}, 4)
+        with riders.riding_with_gradients(rider):
             grads = collectives.all_reduce_gradients([tf.fill([3], r), tf.fill([2, 2], r)])
         return grads, rider.mean_logs()["loss"]
 
@@ -401,7 +401,7 @@ def test_riders_cost_no_copy_of_the_bucket_beyond_its_own_packing():
 
 
 def test_a_rider_without_a_static_shape_is_refused_by_name():
-    from tfdp.strategy import collectives
+    from tfdp.strategy import collectives, riders
 
     class Unshaped:
         def contribution(self):
@@ -414,12 +414,12 @@ def test_a_rider_without_a_static_shape_is_refused_by_name():
     step = tf.function(lambda: strategy.run(
         lambda: collectives.all_reduce_gradients([tf.ones([3])])))
     rider = Unshaped()
-    collectives.add_gradient_rider(strategy, rider)
+    riders.add_gradient_rider(strategy, rider)
     try:
         with pytest.raises(ValueError, match=r"needs a static shape .* from Unshaped"):
             step()
     finally:
-        collectives.remove_gradient_rider(strategy, rider)
+        riders.remove_gradient_rider(strategy, rider)
 
 
 def test_a_strategy_wide_rider_goes_with_its_strategy():

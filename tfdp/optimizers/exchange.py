@@ -43,7 +43,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp.optimizers import packing
-from tfdp.strategy import collectives
+from tfdp.strategy import replica_ops, wire
 
 __all__ = ["reduce_to_owners", "gather_from_owners", "round_elements", "whole_tables"]
 
@@ -159,7 +159,7 @@ def _broadcast_whole(target, source, shape, owner, me, dtype, strategy, assign_o
     (``source`` is not ``target``). Returns an op to order what follows after it."""
     width = _num_elements(shape)
     value = tf.reshape(tf.cast(source.value, dtype), [-1]) if me == owner else None
-    row = collectives.broadcast_row(value, width, dtype, strategy)
+    row = replica_ops.broadcast_row(value, width, dtype, strategy)
     if me == owner and not assign_own:
         return row  # sent (broadcast_row marks the send to run)
     # A variable assigned the last reference to a tensor adopts its buffer; a later in-place
@@ -186,8 +186,8 @@ def reduce_to_owners(grads, variables, owners, me, strategy) -> dict:
     num_replicas = strategy.num_replicas_in_sync
     dtype = tf.as_dtype(variables[next(iter(grads))].dtype)
     shapes = {i: tuple(variables[i].shape) for i in grads}
-    wire = collectives.COMPRESSION_DTYPES[strategy.compression] if dtype.is_floating else None
-    sizes, _, rounds = _plan(shapes, owners, num_replicas, strategy, (wire or dtype).size)
+    on_wire = wire.COMPRESSION_DTYPES[strategy.compression] if dtype.is_floating else None
+    sizes, _, rounds = _plan(shapes, owners, num_replicas, strategy, (on_wire or dtype).size)
     flat = {}
     pieces = {i: [] for i in grads if owners[i] == me}
     previous = []
@@ -206,7 +206,7 @@ def reduce_to_owners(grads, variables, owners, me, strategy) -> dict:
             for replica, parts in enumerate(rows):
                 if plan.padding(replica):
                     parts.append(_filler(plan.padding(replica), source))
-            mine = collectives.reduce_scatter_rows(rows, strategy, strategy.compression)
+            mine = replica_ops.reduce_scatter_rows(rows, strategy, strategy.compression)
         previous = [mine]
         for segment, piece in zip(plan.rows[me], _pieces(mine, plan.rows[me], plan.width)):
             pieces[segment.index].append(piece)
@@ -265,7 +265,7 @@ def gather_from_owners(targets, owners, me, strategy, sources=None, looked_up=()
                 # One owner sends this round (a table larger than the others' variables
                 # together): a broadcast of its rows, with no filler from the others and
                 # 1/N of an all-gather's output on each replica.
-                row = collectives.broadcast_row(
+                row = replica_ops.broadcast_row(
                     (parts[0] if len(parts) == 1 else tf.concat(parts, axis=0))
                     if me == senders[0] else None, plan.width, dtype, strategy)
                 rows = {senders[0]: row}
@@ -273,7 +273,7 @@ def gather_from_owners(targets, owners, me, strategy, sources=None, looked_up=()
                 if plan.padding(me):
                     source = parts[0] if parts else tf.convert_to_tensor(targets[smallest])
                     parts.append(_filler(plan.padding(me), source))
-                rows = dict(enumerate(collectives.all_gather_rows(
+                rows = dict(enumerate(replica_ops.all_gather_rows(
                     parts[0] if len(parts) == 1 else tf.concat(parts, axis=0), strategy)))
         # The next round starts once this one is written (and, for a broadcast's sender,
         # sent: so it holds one round's rows at a time).

@@ -31,7 +31,7 @@ Rules:
 * **Stop agreement** (``StopAgreement``). Every worker sums its flag with the others', so they
   all see the stop at the same step, back up at that step and exit together. The flag rides
   in the gradient all-reduce (one more element of its last bucket,
-  ``tfdp.strategy.collectives.add_gradient_rider``): it is agreed at every optimizer update and costs
+  ``tfdp.strategy.riders.add_gradient_rider``): it is agreed at every optimizer update and costs
   no collective of its own. Where no gradient reduction carries it (``ShardedOptimizer``
   reduces its own way, a model without dense gradients, a train step traced before the
   callback started), it is one scalar all-reduce of its own (``Agreement``) every
@@ -225,7 +225,7 @@ class PreemptionWatcher:
 
 
 class _StopFlagRider:
-    """The stop flag as a rider of the gradient all-reduce (``tfdp.strategy.collectives``)."""
+    """The stop flag as a rider of the gradient all-reduce (``tfdp.strategy.riders``)."""
 
     def __init__(self, watcher: PreemptionWatcher):
         self.watcher = watcher
@@ -289,10 +289,10 @@ class StopAgreement:
         self._strategy = strategy
         self._rider = None
         if strategy is not None and agreement.num_workers > 1:
-            from tfdp.strategy import collectives
+            from tfdp.strategy import riders
 
             self._rider = _StopFlagRider(watcher)
-            collectives.add_gradient_rider(strategy, self._rider)
+            riders.add_gradient_rider(strategy, self._rider)
 
     @property
     def rides_with_gradients(self) -> bool:
@@ -311,6 +311,6 @@ class StopAgreement:
     def close(self):
         """Stops carrying the flag in gradient reductions traced from now on."""
         if self._rider is not None:
-            from tfdp.strategy import collectives
+            from tfdp.strategy import riders
 
-            collectives.remove_gradient_rider(self._strategy, self._rider)
+            riders.remove_gradient_rider(self._strategy, self._rider)

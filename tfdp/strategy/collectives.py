@@ -50,26 +50,17 @@ import tensorflow as tf
 
 from tfdp import _tf_private
 from tfdp.strategy import sparse_gradients
-from tfdp.strategy import replica_ops as _replica_ops
 from tfdp.strategy import riders as _riders_lib
 from tfdp.strategy.buckets import plan_buckets
 from tfdp.strategy.options import DEFAULT_FIRST_BUCKET_BYTES
 from tfdp.strategy.replica_ops import local_replica_index
 from tfdp.strategy.wire import COMPRESSION_DTYPES, collective_options, reduce_dtype, to_wire
-# The riders' names stay importable from here (their home is tfdp/strategy/riders.py).
-from tfdp.strategy.riders import (LogsRider, add_gradient_rider, is_reduced,  # noqa: F401
-                                  mark_reduced, remove_gradient_rider, riding_with_gradients)
 
 __all__ = [
     "all_reduce_gradients",
     "all_reduce",
 ]
 
-# Moved to replica_ops.py; kept here for exchange.py until it imports from there (it also uses
-# COMPRESSION_DTYPES and local_replica_index, imported above from wire.py and replica_ops.py).
-all_gather_rows = _replica_ops.all_gather_rows
-broadcast_row = _replica_ops.broadcast_row
-reduce_scatter_rows = _replica_ops.reduce_scatter_rows
 
 # One collective per listed tensor: TensorFlow's packer opens a new pack once the current
 # one holds at least this many bytes, and every tensor we hand it holds at least one byte.

@@ -46,7 +46,7 @@ import tensorflow as tf
 from tfdp import _tf_private, said_once
 from tfdp.cluster import ClusterConfig
 from tfdp.strategy import (collectives, deadline, keras_integration, lifecycle, randomness,
-                           sharded_parameters, sharded_units)
+                           riders, sharded_parameters, sharded_units)
 from tfdp.strategy import devices as devices_lib
 from tfdp.strategy.options import (DEFAULT_BUCKET_BYTES, DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS,
                                    check_compression, describe_shared_gpu, jit_compile_error,
@@ -413,9 +413,9 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             return tf.nest.map_structure(lambda v: self.reduce(reduce_op, v, axis), value)
         parts = (self.experimental_local_results(value)
                  if isinstance(value, _tf_private.DistributedValues) else [value])
-        if _is_mean(reduce_op) and collectives.is_reduced(parts):
+        if _is_mean(reduce_op) and riders.is_reduced(parts):
             # A multi-worker train step's logs rode in its gradient all-reduce
-            # (collectives.LogsRider): every replica holds their mean already.
+            # (riders.LogsRider): every replica holds their mean already.
             return parts[0]
         if axis is not None:
             if all(getattr(p, "shape", None) is not None and p.shape.rank == 0 for p in parts):

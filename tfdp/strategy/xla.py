@@ -37,7 +37,7 @@ import keras
 import tensorflow as tf
 
 from tfdp import _tf_private, said_once
-from tfdp.strategy import (collectives, deadline, is_data_parallel, sharded_parameters,
+from tfdp.strategy import (collectives, deadline, is_data_parallel, riders, sharded_parameters,
                            sparse_gradients, timing)
 
 __all__ = ["compile_gradients", "CompiledGradients", "compiled_train_step",
@@ -91,7 +91,7 @@ def rides_metrics(kind: str, num_workers: int, keras_step: bool) -> bool:
     Keras averages the logs (metric results) of every multi-worker step with an all-reduce of
     their own: one more cross-host round trip per step. In Keras's own train step the metrics
     depend on the forward pass only, so tfdp computes them before the update and sends them
-    with the gradients (``collectives.LogsRider``): one collective per step instead of two.
+    with the gradients (``riders.LogsRider``): one collective per step instead of two.
     Not for test steps (no gradients), one worker (Keras averages its replicas' logs locally,
     without a collective) or an overridden ``train_step`` (its order is the user's).
     """
@@ -317,8 +317,8 @@ def _apply_gradients(model, grads, trainable, logs, ride_logs):
     rider = None
     if ride_logs:
         num_replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-        rider = collectives.LogsRider.of(logs, num_replicas)
-    with collectives.riding_with_gradients(rider):
+        rider = riders.LogsRider.of(logs, num_replicas)
+    with riders.riding_with_gradients(rider):
         model.optimizer.apply_gradients(zip(grads, trainable))
     reduced = rider.mean_logs() if rider is not None else None
     return logs if reduced is None else reduced
