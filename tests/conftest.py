@@ -154,30 +154,70 @@ def _alone_when_marked_exclusive(request):
 
 # --- where a slow test's time went: its own CPU, its children's, or neither -----------------
 
+# A test still running after this many seconds has every thread's Python stack written once
+# (faulthandler, from its own C thread: it works while the main thread waits in TensorFlow);
+# the summary prints where the main thread was for each test over SLOW_SUMMARY_S, so a slow test in CI
+# says what it waited on (issue 44: a 10 s test took 65-77 s in the suite on 16 s of CPU).
+STACKS_AFTER_S = float(os.environ.get("TFDP_TEST_STACKS_AFTER_S", "45"))
+SLOW_SUMMARY_S = float(os.environ.get("TFDP_TEST_SLOW_SUMMARY_S", "60"))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
     """Records the call's CPU seconds (this process: every thread; its reaped children) beside
     its wall time, for the summary below. A test far slower than alone with little CPU of its
-    own waited (for the CPU, a lock, a peer); one with CPU close to its wall time computed."""
+    own waited (for the CPU, a lock, a peer); one with CPU close to its wall time computed.
+    A test running past ``STACKS_AFTER_S`` also records its main thread's stack then."""
+    import faulthandler
+    import tempfile
+
     before = os.times()
-    yield
+    with tempfile.TemporaryFile("w+") as stacks:
+        faulthandler.dump_traceback_later(STACKS_AFTER_S, file=stacks)
+        try:
+            yield
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        stacks.seek(0)
+        dumped = stacks.read()
     after = os.times()
     item.user_properties.append(("cpu_s", (after.user + after.system)
                                  - (before.user + before.system)))
     item.user_properties.append(("children_cpu_s", (after.children_user + after.children_system)
                                  - (before.children_user + before.children_system)))
+    if dumped:
+        item.user_properties.append(("main_stack", main_thread_stack(dumped)))
+
+
+def main_thread_stack(dump: str, frames: int = 12) -> str:
+    """The innermost ``frames`` frames of the test's own thread in a faulthandler dump (the
+    thread whose stack runs through pytest), most recent first, then its outer frames in
+    tfdp and the tests (which test line, which tfdp call)."""
+    for block in dump.split("\n\n"):
+        if "_pytest" in block or "pluggy" in block:
+            lines = [line for line in block.splitlines() if line.strip().startswith("File")]
+            outer = [line for line in lines[frames:] if "/tfdp/" in line or "/tests/" in line]
+            return "\n".join(lines[:frames] + (["  ..."] if outer else []) + outer[:8])
+    return dump[:2000]
 
 
 def pytest_terminal_summary(terminalreporter):
     rows = []
     for reports in terminalreporter.stats.values():
         for report in reports:
-            if getattr(report, "when", None) != "call" or report.duration < 60:
+            if getattr(report, "when", None) != "call" or report.duration < SLOW_SUMMARY_S:
                 continue
             props = dict(report.user_properties)
             rows.append((report.duration, props.get("cpu_s", 0.0),
-                         props.get("children_cpu_s", 0.0), report.nodeid))
+                         props.get("children_cpu_s", 0.0), report.nodeid,
+                         props.get("main_stack", "")))
     if rows:
-        terminalreporter.section("tests over 60 s: wall, own CPU, children's CPU (s)")
-        for wall, cpu, children, nodeid in sorted(rows, reverse=True):
+        terminalreporter.section(f"tests over {SLOW_SUMMARY_S:.0f} s: wall, own CPU, "
+                                 "children's CPU (s)")
+        for wall, cpu, children, nodeid, _ in sorted(rows, reverse=True):
             terminalreporter.write_line(f"{wall:7.1f} {cpu:7.1f} {children:7.1f}  {nodeid}")
+        for wall, _, _, nodeid, stack in sorted(rows, reverse=True):
+            if stack:
+                terminalreporter.write_line(f"-- {nodeid}: its thread {STACKS_AFTER_S:.0f} s "
+                                            "in, most recent call first:")
+                terminalreporter.write_line(stack)
