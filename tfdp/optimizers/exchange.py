@@ -243,10 +243,9 @@ def gather_from_owners(targets, owners, me, strategy, sources=None, looked_up=()
         return
     sizes, rows_of, rounds = _plan(shapes, owners, num_replicas, strategy, dtype.size)
     # Each variable this replica sends is read once per exchange, not once per round: a
-    # table looked up by ``Embedding`` is in TensorFlow's copy-on-read mode (its sparse
-    # reads set it), where every dense read copies the whole table, and a 256 MB table
-    # sent in 32 rounds was copied 32 times (most of ShardedOptimizer's 8.7x step on a
-    # recommender, issue 41).
+    # table over the whole-table cap is written by row scatters, which put it in
+    # TensorFlow's copy-on-read mode, where every dense read copies the whole table (a
+    # 256 MB table sent in 32 rounds was copied 32 times a step, issue 41).
     flat = {}
 
     def read(index):
