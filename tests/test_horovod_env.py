@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from launching import run_job, worker_env, worker_script
-from tfdp.cluster.placement import horovod_environment, placement_of
+from tfdp.cluster.placement import horovod_environment, placement_of, shared_host_environment
 from tfdp.launcher import processes
 from loopback_sshd import launch_over_ssh, sshd  # noqa: F401  (the fixture: a loopback sshd, two "hosts")
 
@@ -54,6 +54,20 @@ def test_every_worker_of_an_attempt_gets_them_and_remote_ones_too(tmp_path):
         assert {k: remote[k] for k in env_of(addresses, rank)} == env_of(addresses, rank)
     assert attempt.envs[2]["HOROVOD_LOCAL_RANK"] == "0"
     assert attempt.envs[2]["HOROVOD_CROSS_RANK"] == "1"
+    # Placement's GPU rule: the two workers of 127.0.0.1 take GPU memory as needed (else the
+    # first one to use a shared GPU reserves it all); the worker alone on its host does not.
+    assert [e.get("TF_FORCE_GPU_ALLOW_GROWTH") for e in attempt.envs] == ["true", "true", None]
+    assert processes.remote_environment(attempt.envs[0])["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
+
+
+def test_a_job_that_sets_gpu_memory_growth_itself_keeps_its_value(tmp_path):
+    attempt = processes.Attempt(["true"], [0, 1], 0, {"TF_FORCE_GPU_ALLOW_GROWTH": "false"},
+                                tmp_path, ["127.0.0.1:1000", "127.0.0.1:1001"], [None] * 2)
+    assert [e["TF_FORCE_GPU_ALLOW_GROWTH"] for e in attempt.envs] == ["false", "false"]
+    alone = placement_of(["127.0.0.1:1000"], 0)
+    assert shared_host_environment(alone, {}) == {}
+    shared = placement_of(["127.0.0.1:1000", "127.0.0.1:1001"], 1)
+    assert shared_host_environment(shared, {}) == {"TF_FORCE_GPU_ALLOW_GROWTH": "true"}
 
 
 @pytest.mark.parametrize("where", ["local", "ssh"])
@@ -75,5 +89,7 @@ def test_a_script_reads_them_before_importing_tfdp(tmp_path, where, request):
             assert env[f"HOROVOD_{name.upper()}"] == str(hvd[name]), (name, seen)
         assert env["OMPI_COMM_WORLD_LOCAL_RANK"] == str(hvd["local_rank"])
         expected = (rank, 2, rank, 2, 0, 1) if where == "local" else (rank, 2, 0, 1, rank, 2)
+        # Two workers on one host share its GPUs; one per host does not (placement's rule).
+        assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == ("true" if where == "local" else None)
         assert (hvd["rank"], hvd["size"], hvd["local_rank"], hvd["local_size"],
                 hvd["cross_rank"], hvd["cross_size"]) == expected

@@ -138,6 +138,22 @@ def test_shared_gpu_picks_ring_for_auto_and_refuses_nccl():
     assert options.resolve_communication("auto", "GPU", None) == "nccl"  # guard
 
 
+def test_the_shared_gpu_message_is_said_once_per_gpu(caplog):
+    # A SharedGPU holds a list of replicas: the said-once key must still be a set member
+    # (on an H100 every strategy over a shared GPU failed "unhashable type: 'list'").
+    from tfdp import said_once
+    from tfdp.strategy import data_parallel
+    from tfdp.strategy.devices import SharedGPU
+    said_once.forget()
+    with caplog.at_level("WARNING", logger="tfdp"):
+        for _ in range(2):
+            data_parallel._say_shared_gpu_once("auto", SharedGPU("ws", "0", [(0, 0), (1, 0)]))
+        data_parallel._say_shared_gpu_once("auto", SharedGPU("ws", "1", [(0, 1), (1, 1)]))
+        data_parallel._say_shared_gpu_once("ring", SharedGPU("ws", "2", [(0, 2), (1, 2)]))
+    said = [r.getMessage() for r in caplog.records if "uses ring collectives" in r.getMessage()]
+    assert len(said) == 2 and "GPU '0' of host 'ws'" in said[0] and "GPU '1'" in said[1], said
+
+
 def test_bf16_compression_on_gpus_is_a_clear_error():
     with pytest.raises(ValueError, match="compression='fp16'"):
         options.check_compression("bf16", "GPU")

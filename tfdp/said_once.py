@@ -15,8 +15,18 @@ _said: set = set()
 _lock = threading.Lock()
 
 
+def _hashable(key):
+    """``key`` as a set member: lists (a shared GPU's replicas) and dicts become tuples."""
+    if isinstance(key, (list, tuple)):
+        return tuple(_hashable(k) for k in key)
+    if isinstance(key, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in key.items()))
+    return key
+
+
 def first_time(topic: str, key) -> bool:
     """True the first time ``(topic, key)`` is asked in this process (then it is said)."""
+    key = _hashable(key)
     with _lock:
         if (topic, key) in _said:
             return False

@@ -7,6 +7,13 @@ Rule (Horovod's definitions, over the hosts of the worker addresses in rank orde
 the host's index), ``cross_size`` the ranks with this ``local_rank``. One home for the rule:
 ``hvd.local_rank()`` etc. (tfdp.horovod) and the ``HOROVOD_*`` variables tfdp-run gives each
 worker (tfdp.launcher) both come from :func:`placement_of`, so they always agree.
+
+Rule for GPU memory (:func:`shared_host_environment`): TensorFlow reserves almost all of every
+visible GPU's memory in the first process that uses it, which fits one process per host. A
+worker that shares its host with other workers (``local_size > 1``) therefore gets
+``TF_FORCE_GPU_ALLOW_GROWTH=true`` (memory taken as needed), unless the job's environment sets
+that variable itself. Measured on an H100: ``tfdp-run --workers 2`` on a one-GPU host without it
+ended with the first worker's ``CUDA_ERROR_OUT_OF_MEMORY`` (SIGABRT) at its first step.
 """
 
 from __future__ import annotations
@@ -14,7 +21,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-__all__ = ["Placement", "host_of", "placement_of", "placement", "horovod_environment"]
+__all__ = ["Placement", "host_of", "placement_of", "placement", "horovod_environment",
+           "shared_host_environment", "GPU_MEMORY_GROWTH_ENV"]
+
+GPU_MEMORY_GROWTH_ENV = "TF_FORCE_GPU_ALLOW_GROWTH"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,3 +82,12 @@ def horovod_environment(p: Placement) -> dict:
             "OMPI_COMM_WORLD_RANK": str(p.rank), "OMPI_COMM_WORLD_SIZE": str(p.size),
             "OMPI_COMM_WORLD_LOCAL_RANK": str(p.local_rank),
             "OMPI_COMM_WORLD_LOCAL_SIZE": str(p.local_size)}
+
+
+def shared_host_environment(p: Placement, environ) -> dict:
+    """What a worker that shares its host gets so that its GPU memory is taken as needed
+    (the module docstring's rule for GPU memory); empty for a worker alone on its host or
+    where ``environ`` already says."""
+    if p.local_size > 1 and GPU_MEMORY_GROWTH_ENV not in environ:
+        return {GPU_MEMORY_GROWTH_ENV: "true"}
+    return {}

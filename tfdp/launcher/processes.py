@@ -49,7 +49,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from tfdp.launcher import remote
 from tfdp.cluster import ClusterConfig
-from tfdp.cluster.placement import horovod_environment, placement_of
+from tfdp.cluster.placement import horovod_environment, placement_of, shared_host_environment
 from tfdp.launcher.hosts import Host
 from tfdp.protocol import (ATTEMPT_ENV, CONTROL_DIR_ENV, EVICT_FILE, EXIT_HOST_UNREACHABLE,
                            RANK_ENV, READY_FILE_ENV, SLOT_ENV, exit_code_of, progress_file)
@@ -417,7 +417,10 @@ class Attempt:
             e.update(protocol_env or {})
             # horovodrun's HOROVOD_RANK, HOROVOD_LOCAL_RANK, ... (and Open MPI's), from the
             # rule hvd.local_rank() etc. answer with (tfdp.cluster.placement).
-            e.update(horovod_environment(placement_of(addresses, rank)))
+            place = placement_of(addresses, rank)
+            e.update(horovod_environment(place))
+            # Workers that share a host take GPU memory as needed (placement's GPU rule).
+            e.update(shared_host_environment(place, e))
             e.update({"TF_CONFIG": configs[rank], RANK_ENV: str(rank), SLOT_ENV: str(slot),
                       ATTEMPT_ENV: str(number), CONTROL_DIR_ENV: self.control_dir,
                       READY_FILE_ENV: self.ready_files[rank]})
