@@ -45,7 +45,7 @@ NAMES = sorted(cases.MODELS)
 # under every mode was measured once (docs/models.md): within 3e-8..1.5e-7 in float32.
 SHARDED_OPTIMIZER_NAMES = ["bert", "gpt2"]
 ZERO3_NAMES = ["gemma_lora", "gpt2"]
-BF16_NAMES = ["bert"]
+BF16_NAMES = ["bert:2"]  # two blocks, as its bound was measured
 
 
 @functools.cache
@@ -76,7 +76,7 @@ def replicas4(**kwargs):
 
 def check_lora(model, name):
     """The LoRA fine-tune trained only its rank-2 factors: every frozen weight is unchanged."""
-    if name != "gemma_lora":
+    if name.partition(":")[0] != "gemma_lora":
         return
     trainable = {id(v) for v in model.trainable_variables}
     assert trainable and all("lora" in v.path for v in model.trainable_variables)
@@ -134,7 +134,8 @@ def test_sharded_parameters_train_like_one_device(name):
 # whole batch's once, and Adam's first steps turn near-zero gradients into lr-sized moves:
 # the result depends on how the batch is split (2 replicas against 1 and 4 against 2 differ
 # as much), where float32 runs of the same models agree to 2e-7 (docs/limits.md).
-BF16_BOUND = {"gpt2": (1e-2, 5e-2), "bert": (5e-4, 1e-2), "gemma_lora": (1e-3, 3e-2)}
+# (Two blocks each; with one, BERT measured (1.5e-3, 6.0e-3).)
+BF16_BOUND = {"gpt2:2": (1e-2, 5e-2), "bert:2": (5e-4, 1e-2), "gemma_lora:2": (1e-3, 3e-2)}
 
 
 @pytest.mark.parametrize("name", BF16_NAMES)
