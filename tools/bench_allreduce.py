@@ -9,11 +9,24 @@ this host's measured memory-copy bandwidth as the ceiling; plus gradient reducti
 tensors with and without buckets and compression.
 
     python tools/bench_allreduce.py          # ~4 min; writes docs/benchmarks/bench_allreduce.{md,csv,png}
+
+Multi-worker mode (``--workers N``): N worker processes on 127.0.0.1 (TF_CONFIG, free ports,
+one replica each, each pinned to its own core where the host has as many), the same sizes
+over gRPC collectives: tfdp's all-reduce, reduce-scatter and all-gather, and
+MultiWorkerMirroredStrategy's all-reduce and all-gather (it has no public reduce-scatter).
+Each implementation runs as its own job (a process keeps one collective server), in
+interleaved rounds (``--rounds``); rank 0's median per point is kept, then the median over
+rounds:
+
+    python tools/bench_allreduce.py --workers 2 --rounds 2   # writes ..._multiworker.{md,csv,png}
 """
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
+import subprocess
 import sys
 import time
 
@@ -29,7 +42,15 @@ flags.DEFINE_integer("replicas", 4, "Logical CPU replicas.")
 flags.DEFINE_integer("min_kib", 4, "Smallest message, KiB.")
 flags.DEFINE_integer("max_mib", 256, "Largest message, MiB.")
 flags.DEFINE_integer("repeats", 5, "Timed repetitions per point (median reported).")
-flags.DEFINE_string("out", "docs/benchmarks/bench_allreduce", "Output prefix ('' to skip).")
+flags.DEFINE_string("out", "docs/benchmarks/bench_allreduce", "Output prefix ('' to skip); "
+                    "the multi-worker mode adds '_multiworker'.")
+flags.DEFINE_integer("workers", 0, "Worker processes on 127.0.0.1 (0: one process with "
+                     "--replicas logical CPU replicas).")
+flags.DEFINE_list("impls", ["tfdp", "mwms"], "Multi-worker mode: tfdp and/or mwms "
+                  "(MultiWorkerMirroredStrategy, ring).")
+flags.DEFINE_integer("rounds", 1, "Multi-worker mode: interleaved rounds of every implementation.")
+flags.DEFINE_integer("job_timeout", 900, "Multi-worker mode: seconds one job may take.")
+flags.DEFINE_string("child", "", "Internal: 'impl,rank,port0,port1,...' of a worker process.")
 
 
 def memcpy_bandwidth(nbytes=256 << 20):
@@ -44,10 +65,192 @@ def memcpy_bandwidth(nbytes=256 << 20):
     return nbytes / float(np.median(times))
 
 
+def message_sizes():
+    """Bytes of every point: --min_kib, then x4 up to --max_mib."""
+    sizes, size = [], FLAGS.min_kib * 1024
+    while size <= FLAGS.max_mib * (1 << 20):
+        sizes.append(size)
+        size *= 4
+    return sizes
+
+
+def timed(fn, *args):
+    """Median seconds of --repeats calls of ``fn`` after one call that traces and warms up."""
+    import numpy as np
+    import tensorflow as tf
+
+    fn(*args)
+    times = []
+    for _ in range(FLAGS.repeats):
+        t = time.perf_counter()
+        out = fn(*args)
+        for part in tf.nest.flatten(out):
+            part.numpy() if hasattr(part, "numpy") else None
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+MULTIWORKER_OPS = {"tfdp": ("all_reduce", "reduce_scatter", "all_gather"),
+                   "mwms": ("all_reduce", "all_gather")}
+
+
+def worker_child():
+    """One worker of a multi-worker job: times every op and size; rank 0 prints JSON lines."""
+    impl, rank, *ports = FLAGS.child.split(",")
+    rank = int(rank)
+    if len(os.sched_getaffinity(0)) >= len(ports) and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})  # one core each
+    os.environ["TF_CONFIG"] = json.dumps({
+        "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+        "task": {"type": "worker", "index": rank}})
+    import tensorflow as tf
+
+    import tfdp
+    from tfdp.strategy import collectives, replica_ops
+
+    if impl == "tfdp":
+        strategy = tfdp.DataParallelStrategy()
+    else:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(
+            communication_options=tf.distribute.experimental.CommunicationOptions(
+                implementation=tf.distribute.experimental.CommunicationImplementation.RING))
+    n = strategy.num_replicas_in_sync
+
+    def make(op):
+        @tf.function
+        def run(x):
+            def step(v):
+                ctx = tf.distribute.get_replica_context()
+                # An identity under the replica's device scope: with one local replica the input
+                # is a plain tensor without a device, which MWMS's reduction cannot place
+                # ("destinations can not be empty"). It forwards the buffer (no copy).
+                v = tf.identity(v)
+                if op == "all_gather":
+                    part = v[: tf.size(v) // n]
+                    return (replica_ops.all_gather(part) if impl == "tfdp"
+                            else ctx.all_gather(part, axis=0))
+                if op == "reduce_scatter":
+                    return replica_ops.reduce_scatter(tf.reshape(v, [n, -1]))
+                return collectives.all_reduce(v) if impl == "tfdp" else ctx.all_reduce("SUM", v)
+            return strategy.run(step, args=(x,))
+        return run
+
+    for nbytes in message_sizes():
+        elements = nbytes // 4 - (nbytes // 4) % n
+        x = strategy.experimental_distribute_values_from_function(
+            lambda ctx, e=elements: tf.fill([e], tf.cast(ctx.replica_id_in_sync_group + 1,
+                                                         tf.float32)))
+        for op in MULTIWORKER_OPS[impl]:
+            t = timed(make(op), x)
+            if rank == 0:
+                print(json.dumps({"impl": impl, "op": op, "bytes": elements * 4, "time_s": t,
+                                  "workers": len(ports)}), flush=True)
+
+
+def run_job(impl):
+    """One job of --workers processes of ``impl``; rank 0's rows, or an error naming the rank."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tfdp.launcher.processes import free_ports
+
+    ports = [str(p) for p in free_ports(FLAGS.workers)]
+    flags_passed = [f"--min_kib={FLAGS.min_kib}", f"--max_mib={FLAGS.max_mib}",
+                    f"--repeats={FLAGS.repeats}"]
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *flags_passed,
+                               f"--child={impl},{rank}," + ",".join(ports)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(FLAGS.workers)]
+    outputs = []
+    deadline = time.monotonic() + FLAGS.job_timeout
+    try:
+        for rank, proc in enumerate(procs):
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outputs.append(out)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{impl} worker {rank} exited with {proc.returncode}:\n"
+                                   + "\n".join(out.splitlines()[-15:]))
+    finally:
+        for proc in procs:  # only the processes this job started
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [json.loads(line) for line in outputs[0].splitlines() if line.startswith("{")]
+
+
+def multiworker_main():
+    """--workers N: every implementation's job in interleaved rounds; tables, CSV and plot."""
+    n = FLAGS.workers
+    runs = {}
+    started = time.time()
+    for round_index in range(FLAGS.rounds):
+        for impl in FLAGS.impls:
+            for row in run_job(impl):
+                runs.setdefault((row["impl"], row["op"], row["bytes"]), []).append(row["time_s"])
+                algbw = row["bytes"] / row["time_s"]
+                print(f"[{time.time() - started:5.0f}s] round {round_index + 1} {impl:5s} "
+                      f"{row['op']:15s} {row['bytes'] / 1024:>9,.0f} KiB: "
+                      f"{row['time_s'] * 1e3:9.3f} ms  algbw {algbw / 1e9:6.3f} GB/s", flush=True)
+    rows = []
+    for (impl, op, nbytes), times in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][2],
+                                                                          kv[0][0])):
+        t = statistics.median(times)
+        algbw = nbytes / t
+        rows.append({"impl": impl, "op": op, "bytes": nbytes, "workers": n, "time_s": t,
+                     "time_min_s": min(times), "time_max_s": max(times), "rounds": len(times),
+                     "algbw_GBps": algbw / 1e9, "busbw_GBps": algbw * bus_factor(op, n) / 1e9})
+    by = {(r["impl"], r["op"], r["bytes"]): r for r in rows}
+    lines = [f"{n} worker processes on 127.0.0.1, one replica each (gRPC collectives over "
+             f"loopback), {FLAGS.rounds} interleaved round(s), median of {FLAGS.repeats} "
+             f"repeats per point; memory-copy bandwidth of this host "
+             f"{memcpy_bandwidth() / 1e9:.2f} GB/s.", "",
+             "| op | size | tfdp (ms) | MWMS (ms) | tfdp busbw (GB/s) | MWMS busbw (GB/s) | "
+             "MWMS time / tfdp |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for op in ("all_reduce", "reduce_scatter", "all_gather"):
+        for nbytes in sorted({r["bytes"] for r in rows if r["op"] == op}):
+            ours, theirs = by.get(("tfdp", op, nbytes)), by.get(("mwms", op, nbytes))
+
+            def cell(r, key, scale=1.0, fmt="{:.3f}"):
+                return fmt.format(r[key] * scale) if r else "—"
+            ratio = f"{theirs['time_s'] / ours['time_s']:.2f}" if ours and theirs else "—"
+            lines.append(f"| {op} | {nbytes / 1024:,.0f} KiB | {cell(ours, 'time_s', 1e3)} | "
+                         f"{cell(theirs, 'time_s', 1e3)} | {cell(ours, 'busbw_GBps')} | "
+                         f"{cell(theirs, 'busbw_GBps')} | {ratio} |")
+    text = "\n".join(lines)
+    print("\n" + text)
+    if not FLAGS.out:
+        return
+    out = FLAGS.out + "_multiworker"
+    report.write_csv(out + ".csv", rows)
+    command = "python tools/bench_allreduce.py " + " ".join(sys.argv[1:])
+    report.write_text(out + ".md", "# Collective bandwidth between worker processes "
+                      f"(tools/bench_allreduce.py)\n\nCommand: `{command}`\n\n" + text)
+    plt = report.pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    styles = {("tfdp", "all_reduce"): "o-", ("mwms", "all_reduce"): "s--",
+              ("tfdp", "reduce_scatter"): "^-", ("tfdp", "all_gather"): "v-",
+              ("mwms", "all_gather"): "x--"}
+    for (impl, op), style in styles.items():
+        pts = [(r["bytes"], r["busbw_GBps"]) for r in rows if (r["impl"], r["op"]) == (impl, op)]
+        if pts:
+            ax.plot(*zip(*pts), style, label=f"{op} ({impl})")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title(f"{n} worker processes, gRPC on loopback")
+    ax.legend(fontsize=8)
+    report.save_figure(fig, out + ".png")
+    print(f"wrote {out}.md/.csv/.png")
+
+
 def main(argv):
     del argv
     absl_logging.set_verbosity(absl_logging.WARNING)
-    import numpy as np
+    if FLAGS.child:
+        worker_child()
+        return
+    if FLAGS.workers:
+        multiworker_main()
+        return
     import tensorflow as tf
 
     import tfdp
@@ -60,17 +263,6 @@ def main(argv):
     theirs = tf.distribute.MirroredStrategy(devices)
     ceiling = memcpy_bandwidth()
     print(f"memory-copy bandwidth (numpy, 256 MiB): {ceiling / 1e9:.2f} GB/s", flush=True)
-
-    def timed(fn, *args):
-        fn(*args)  # trace + warm up
-        times = []
-        for _ in range(FLAGS.repeats):
-            t = time.perf_counter()
-            out = fn(*args)
-            for part in tf.nest.flatten(out):
-                part.numpy() if hasattr(part, "numpy") else None
-            times.append(time.perf_counter() - t)
-        return float(np.median(times))
 
     def per_replica(strategy, elements):
         return strategy.experimental_distribute_values_from_function(
@@ -91,11 +283,7 @@ def main(argv):
         return run
 
     rows = []
-    size = FLAGS.min_kib * 1024
-    sizes = []
-    while size <= FLAGS.max_mib * (1 << 20):
-        sizes.append(size)
-        size *= 4
+    sizes = message_sizes()
     started = time.time()
     for nbytes in sizes:
         elements = nbytes // 4
