@@ -149,7 +149,6 @@ def worker_child():
 
 def run_job(impl):
     """One job of --workers processes of ``impl``; rank 0's rows, or an error naming the rank."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from tfdp.launcher.processes import free_ports
 
     ports = [str(p) for p in free_ports(FLAGS.workers)]
