@@ -30,6 +30,9 @@ def test_multiworker_mode_measures_tfdp_and_mwms_between_two_processes(tmp_path)
     assert sizes == [4096, 16384, 65536, 262144, 1048576], sizes
     for r in rows:
         assert r["workers"] == "2" and float(r["time_s"]) > 0 and float(r["busbw_GBps"]) > 0, r
+        assert float(r["process_cpu_s"]) >= 0, r
     table = open(f"{out}_multiworker.md").read()
     assert "2 worker processes on 127.0.0.1" in table and "| all_reduce | 1,024 KiB |" in table
+    # Where the time goes: rank 0's CPU per call beside its wall time, from 1 MiB up.
+    assert "| tfdp | all_reduce | 1 MiB |" in table and "| mwms | all_gather | 1 MiB |" in table
     assert os.path.getsize(f"{out}_multiworker.png") > 0

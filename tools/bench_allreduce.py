@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -50,6 +51,8 @@ flags.DEFINE_list("impls", ["tfdp", "mwms"], "Multi-worker mode: tfdp and/or mwm
                   "(MultiWorkerMirroredStrategy, ring).")
 flags.DEFINE_integer("rounds", 1, "Multi-worker mode: interleaved rounds of every implementation.")
 flags.DEFINE_integer("job_timeout", 900, "Multi-worker mode: seconds one job may take.")
+flags.DEFINE_bool("pin", True, "Multi-worker mode: pin each worker process to its own core "
+                  "(where the host has as many).")
 flags.DEFINE_string("child", "", "Internal: 'impl,rank,port0,port1,...' of a worker process.")
 
 
@@ -74,20 +77,62 @@ def message_sizes():
     return sizes
 
 
-def timed(fn, *args):
-    """Median seconds of --repeats calls of ``fn`` after one call that traces and warms up."""
+def timed(fn, *args, cpu=None):
+    """Median seconds of --repeats calls of ``fn`` after one call that traces and warms up.
+
+    ``cpu``, a dict, receives this process's CPU seconds per call over the timed calls
+    (``"process"``) and per thread group (:func:`thread_cpu`)."""
     import numpy as np
     import tensorflow as tf
 
     fn(*args)
     times = []
+    threads_before, process_before = thread_cpu(), os.times()
     for _ in range(FLAGS.repeats):
         t = time.perf_counter()
         out = fn(*args)
         for part in tf.nest.flatten(out):
             part.numpy() if hasattr(part, "numpy") else None
         times.append(time.perf_counter() - t)
+    if cpu is not None:
+        process_after, threads_after = os.times(), thread_cpu()
+        cpu["process"] = ((process_after.user + process_after.system)
+                          - (process_before.user + process_before.system)) / FLAGS.repeats
+        for group, seconds in threads_after.items():
+            spent = (seconds - threads_before.get(group, 0.0)) / FLAGS.repeats
+            if spent > 0:
+                cpu[group] = spent
     return float(np.median(times))
+
+
+def thread_group(name: str) -> str:
+    """A thread's group from its name (``/proc/.../comm``, 15 characters): digits and the
+    instance suffixes dropped, so TensorFlow's pools and gRPC's pollers add up."""
+    return re.sub(r"[\d_-]+$", "", re.sub(r"\d+", "", name)) or name
+
+
+def thread_cpu() -> dict:
+    """CPU seconds so far of this process's live threads, summed by :func:`thread_group` (a
+    thread that ended between two reads takes its seconds out of its group's difference,
+    which the process total still counts)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    with open("/proc/self/comm") as f:
+        process_name = f.read().strip()
+    groups = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # The main thread carries the process's name; it runs the function's executor inline.
+        # Threads that never named themselves keep it too: "unnamed".
+        group = ("main" if int(tid) == os.getpid() else
+                 "unnamed" if name == process_name else thread_group(name))
+        groups[group] = groups.get(group, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return groups
 
 
 MULTIWORKER_OPS = {"tfdp": ("all_reduce", "reduce_scatter", "all_gather"),
@@ -98,7 +143,8 @@ def worker_child():
     """One worker of a multi-worker job: times every op and size; rank 0 prints JSON lines."""
     impl, rank, *ports = FLAGS.child.split(",")
     rank = int(rank)
-    if len(os.sched_getaffinity(0)) >= len(ports) and hasattr(os, "sched_setaffinity"):
+    if FLAGS.pin and len(os.sched_getaffinity(0)) >= len(ports) and hasattr(
+            os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})  # one core each
     os.environ["TF_CONFIG"] = json.dumps({
         "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
@@ -141,10 +187,11 @@ def worker_child():
             lambda ctx, e=elements: tf.fill([e], tf.cast(ctx.replica_id_in_sync_group + 1,
                                                          tf.float32)))
         for op in MULTIWORKER_OPS[impl]:
-            t = timed(make(op), x)
+            cpu = {}
+            t = timed(make(op), x, cpu=cpu)
             if rank == 0:
                 print(json.dumps({"impl": impl, "op": op, "bytes": elements * 4, "time_s": t,
-                                  "workers": len(ports)}), flush=True)
+                                  "workers": len(ports), "cpu": cpu}), flush=True)
 
 
 def run_job(impl):
@@ -153,7 +200,7 @@ def run_job(impl):
 
     ports = [str(p) for p in free_ports(FLAGS.workers)]
     flags_passed = [f"--min_kib={FLAGS.min_kib}", f"--max_mib={FLAGS.max_mib}",
-                    f"--repeats={FLAGS.repeats}"]
+                    f"--repeats={FLAGS.repeats}", f"--pin={FLAGS.pin}"]
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *flags_passed,
                                f"--child={impl},{rank}," + ",".join(ports)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -178,12 +225,14 @@ def run_job(impl):
 def multiworker_main():
     """--workers N: every implementation's job in interleaved rounds; tables, CSV and plot."""
     n = FLAGS.workers
-    runs = {}
+    runs, cpus = {}, {}
     started = time.time()
     for round_index in range(FLAGS.rounds):
         for impl in FLAGS.impls:
             for row in run_job(impl):
-                runs.setdefault((row["impl"], row["op"], row["bytes"]), []).append(row["time_s"])
+                key = (row["impl"], row["op"], row["bytes"])
+                runs.setdefault(key, []).append(row["time_s"])
+                cpus.setdefault(key, []).append(row.get("cpu", {}))
                 algbw = row["bytes"] / row["time_s"]
                 print(f"[{time.time() - started:5.0f}s] round {round_index + 1} {impl:5s} "
                       f"{row['op']:15s} {row['bytes'] / 1024:>9,.0f} KiB: "
@@ -195,7 +244,9 @@ def multiworker_main():
         algbw = nbytes / t
         rows.append({"impl": impl, "op": op, "bytes": nbytes, "workers": n, "time_s": t,
                      "time_min_s": min(times), "time_max_s": max(times), "rounds": len(times),
-                     "algbw_GBps": algbw / 1e9, "busbw_GBps": algbw * bus_factor(op, n) / 1e9})
+                     "algbw_GBps": algbw / 1e9, "busbw_GBps": algbw * bus_factor(op, n) / 1e9,
+                     "process_cpu_s": statistics.median(
+                         c.get("process", 0.0) for c in cpus[(impl, op, nbytes)])})
     by = {(r["impl"], r["op"], r["bytes"]): r for r in rows}
     lines = [f"{n} worker processes on 127.0.0.1, one replica each (gRPC collectives over "
              f"loopback), {FLAGS.rounds} interleaved round(s), median of {FLAGS.repeats} "
@@ -213,6 +264,7 @@ def multiworker_main():
             lines.append(f"| {op} | {nbytes / 1024:,.0f} KiB | {cell(ours, 'time_s', 1e3)} | "
                          f"{cell(theirs, 'time_s', 1e3)} | {cell(ours, 'busbw_GBps')} | "
                          f"{cell(theirs, 'busbw_GBps')} | {ratio} |")
+    lines += ["", *cpu_table(rows, cpus)]
     text = "\n".join(lines)
     print("\n" + text)
     if not FLAGS.out:
@@ -239,6 +291,35 @@ def multiworker_main():
     ax.legend(fontsize=8)
     report.save_figure(fig, out + ".png")
     print(f"wrote {out}.md/.csv/.png")
+
+
+def cpu_table(rows, cpus, min_bytes=1 << 20):
+    """Where one call's time goes on rank 0, for messages of ``min_bytes`` and more: its wall
+    time beside the CPU seconds the whole process spent per call (every thread), their ratio
+    (1.0 on a pinned worker: the collective kept its one core busy all along, so it is bound
+    by that core's work, not by waiting), and the thread groups that spent it."""
+    lines = ["Where the time goes on rank 0 (CPU per call over the timed repeats, median over "
+             "rounds; 'CPU / wall' 1.0 on a pinned worker = its one core busy for the whole "
+             "call):", "",
+             "| impl | op | size | wall (ms) | process CPU (ms) | CPU / wall | "
+             "threads (CPU ms) |", "|---|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        key = (r["impl"], r["op"], r["bytes"])
+        if r["bytes"] < min_bytes or not any(cpus.get(key, [])):
+            continue
+        process = statistics.median(c.get("process", 0.0) for c in cpus[key])
+        groups = {}
+        for c in cpus[key]:
+            for group, seconds in c.items():
+                if group != "process":
+                    groups.setdefault(group, []).append(seconds)
+        top = sorted(((statistics.median(v + [0.0] * (len(cpus[key]) - len(v))), g)
+                      for g, v in groups.items()), reverse=True)[:4]
+        threads = ", ".join(f"{g} {s * 1e3:.0f}" for s, g in top if s * 1e3 >= 0.5)
+        lines.append(f"| {r['impl']} | {r['op']} | {r['bytes'] / 2**20:,.0f} MiB | "
+                     f"{r['time_s'] * 1e3:.1f} | {process * 1e3:.1f} | "
+                     f"{process / r['time_s']:.2f} | {threads} |")
+    return lines
 
 
 def main(argv):
