@@ -99,6 +99,8 @@ VARIANTS = {
     "no_timeout": "tfdp with no per-collective deadline in TensorFlow's collectives",
     "old_order": "tfdp with its gradient exchange as before issue 43: buckets launched first "
                  "layers first, no backward pacing, TensorFlow's inter-op pool size",
+    "fp16": "tfdp with compression='fp16' (half the bytes on the wire; within its tolerance, "
+            "not exact)",
 }
 PER_REPLICA_BATCH = {"tiny": 32, "mlp": 64, "mlp20m": 64}
 FEATURES = {"tiny": 32, "mlp": 256, "mlp20m": 1024}
@@ -172,7 +174,8 @@ def child():
         strategy = patched_mwms(tf, FLAGS.replicas)
     else:
         strategy = tfdp.DataParallelStrategy(  # TFDP_CPU_REPLICAS from tfdp-run
-            bucket_bytes=None if FLAGS.bucket_bytes < 0 else FLAGS.bucket_bytes)
+            bucket_bytes=None if FLAGS.bucket_bytes < 0 else FLAGS.bucket_bytes,
+            compression="fp16" if variant == "fp16" else None)
     if variant == "no_timeout":
         tfdp._tf_private.communication_options(strategy.extended).timeout_seconds = None
     global_batch = PER_REPLICA_BATCH[name] * strategy.num_replicas_in_sync
