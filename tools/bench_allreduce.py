@@ -115,7 +115,6 @@ def thread_cpu() -> dict:
     """CPU seconds so far of this process's live threads, summed by :func:`thread_group` (a
     thread that ended between two reads takes its seconds out of its group's difference,
     which the process total still counts)."""
-    tick = os.sysconf("SC_CLK_TCK")
     with open("/proc/self/comm") as f:
         process_name = f.read().strip()
     groups = {}
@@ -123,15 +122,16 @@ def thread_cpu() -> dict:
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 name = f.read().strip()
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
+            continue
+        seconds = report.cpu_seconds(f"/proc/self/task/{tid}/stat")
+        if seconds is None:
             continue
         # The main thread carries the process's name; it runs the function's executor inline.
         # Threads that never named themselves keep it too: "unnamed".
         group = ("main" if int(tid) == os.getpid() else
                  "unnamed" if name == process_name else thread_group(name))
-        groups[group] = groups.get(group, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        groups[group] = groups.get(group, 0.0) + seconds
     return groups
 
 
@@ -307,7 +307,7 @@ def cpu_table(rows, cpus, min_bytes=1 << 20):
         key = (r["impl"], r["op"], r["bytes"])
         if r["bytes"] < min_bytes or not any(cpus.get(key, [])):
             continue
-        process = statistics.median(c.get("process", 0.0) for c in cpus[key])
+        process = r["process_cpu_s"]
         groups = {}
         for c in cpus[key]:
             for group, seconds in c.items():

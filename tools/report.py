@@ -1,4 +1,4 @@
-"""Output helpers shared by the tools: CSV, Markdown and matplotlib figures."""
+"""Helpers shared by the tools: CSV, Markdown and matplotlib figures, and CPU time from /proc."""
 
 from __future__ import annotations
 
@@ -13,6 +13,17 @@ def write_csv(path: str, rows: list[dict]) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+
+
+def cpu_seconds(stat_path: str) -> float | None:
+    """User + system CPU seconds from a ``/proc/<pid>/stat`` or ``/proc/<pid>/task/<tid>/stat``
+    file; None where it cannot be read (the process or thread has ended)."""
+    try:
+        with open(stat_path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the name in (...) may hold spaces
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def write_text(path: str, text: str) -> None:

@@ -35,6 +35,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
+import report  # noqa: E402  (tools/: the script's directory, or pytest's pythonpath)
+
 CONFIGS = ("zero3", "zero2", "unsharded")
 LABELS = {"zero3": "ZeRO-3 (shard_parameters=True)", "zero2": "ZeRO-2 (ShardedOptimizer)",
           "unsharded": "unsharded (tfdp)"}
@@ -156,15 +158,6 @@ def _limit(gib, cgroup):
     return apply
 
 
-def _cpu_seconds(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def run_config(config) -> dict:
     """One configuration in a child under the memory bound: its RESULT, or how it failed."""
     argv = [sys.executable, os.path.abspath(__file__), f"--child={config}"] + [
@@ -181,7 +174,7 @@ def run_config(config) -> dict:
     last_cpu, last_change = None, time.monotonic()
     while proc.poll() is None:
         time.sleep(2)
-        cpu = _cpu_seconds(proc.pid)
+        cpu = report.cpu_seconds(f"/proc/{proc.pid}/stat")
         if cpu != last_cpu:
             last_cpu, last_change = cpu, time.monotonic()
         elif cgroup is None and time.monotonic() - last_change > 60:
