@@ -14,6 +14,9 @@ tfdp.configure_cpu_replicas(NUM_CPU_REPLICAS)
 
 from helpers import cpu_devices  # noqa: E402  (after the devices are configured)
 
+# A worker that dies or hangs mid-test says why, in the run's own output (tests/crash_records.py).
+pytest_plugins = ["crash_records"]
+
 
 @pytest.fixture(scope="module")
 def strategy4():

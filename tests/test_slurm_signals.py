@@ -104,6 +104,11 @@ def _fit(backup_dir, callbacks=(), **backup_kwargs):
     (save_freq=100: no periodic backup, so a backup found is the preemption's). Returns the
     model and the callback; a preemption escapes as SystemExit with the callback in
     ``exc.backup``."""
+    # The backstop would end this process (an xdist worker) with os._exit if the backup took
+    # longer than the grace period: the default 30 s is within reach of a slow CI host's
+    # contended step, and these tests judge the agreed stop, not the backstop (which
+    # test_resilience checks in a process of its own).
+    backup_kwargs.setdefault("grace_seconds", 600)
     strategy = tfdp.DataParallelStrategy(devices=cpu_devices(1))
     x, y = classification_data(n=256)
     data = tfdp.data.distribute(strategy, tf.data.Dataset.from_tensor_slices((x, y)), 32)

@@ -1,0 +1,237 @@
+"""A pytest-xdist worker that dies or hangs mid-test says why, in the run's own output.
+
+On its own, xdist reports only "worker 'gw1' crashed while running X" at the very end of the
+run, and a worker's stderr (faulthandler's fatal-signal dump, pytest-timeout's stacks, the log
+line tfdp's preemption backstop writes before ``os._exit``) reaches no log CI keeps. A CI run
+that lost a worker that way, then ran out of its time limit before its summary, said nothing
+about either. Rules (a pytest plugin, loaded by tests/conftest.py):
+
+* **Record.** Every xdist worker appends to its own file,
+  ``<tempdir>/tfdp-tests-<run>-records/<worker>.log``: the test it starts, faulthandler's dump
+  on a fatal signal, tfdp's log records of WARNING and above, the watchdog's dump, and the
+  processes it killed.
+* **Tag.** Every worker puts ``TFDP_TEST_WORKER=<run>-<worker>`` in its environment; whatever
+  a test starts inherits it, on this host or through ssh and Slurm, so the worker's processes
+  can be found by tag even after the worker is gone (kill by pid, never by name).
+* **Watchdog.** A test still running at 80% of its pytest-timeout limit has every thread's
+  stack written to the record, then its worker's processes killed (its own process tree and
+  every tagged process): what waited on them fails with its own error, and the worker lives
+  on, where pytest-timeout would end the worker with ``os._exit``.
+* **Crash.** When a worker dies the controller prints, at once, the end of that worker's record
+  (and puts it in the test's report), and SIGKILLs every process still carrying its tag:
+  orphans of a dead worker would otherwise take CPU from the rest of the run.
+* **Loud.** A test that took ``LOUD_AFTER_S`` or more is named by the controller as it ends,
+  not only in the summary that a run stopped by a time limit never prints.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import tempfile
+import threading
+import time
+
+import pytest
+
+TAG_ENV = "TFDP_TEST_WORKER"
+WATCHDOG_FRACTION = 0.8
+LOUD_AFTER_S = float(os.environ.get("TFDP_TEST_LOUD_AFTER_S", "150"))
+_RECORD_TAIL = 8000
+
+
+def records_dir(testrunuid: str) -> str:
+    return os.path.join(tempfile.gettempdir(), f"tfdp-tests-{testrunuid}-records")
+
+
+def record_path(testrunuid: str, workerid: str) -> str:
+    return os.path.join(records_dir(testrunuid), f"{workerid}.log")
+
+
+# --- processes: a tree by /proc, and processes by tag ------------------------------------------
+
+def _children(pid: int) -> list[int]:
+    found = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid``'s children, their children, ... (not ``pid``)."""
+    found, todo = [], _children(pid)
+    while todo:
+        child = todo.pop()
+        if child not in found:
+            found.append(child)
+            todo += _children(child)
+    return found
+
+
+def tagged(tag: str) -> list[int]:
+    """The processes whose environment carries ``TFDP_TEST_WORKER=<tag>``."""
+    needle = f"{TAG_ENV}={tag}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            pass
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:160]
+    except OSError:
+        return "(gone)"
+
+
+def kill_all(pids, spare=()) -> list[str]:
+    """SIGKILLs ``pids`` but ``spare``; returns a line per process killed."""
+    lines = []
+    for pid in pids:
+        if pid in spare:
+            continue
+        name = _cmdline(pid)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            continue
+        lines.append(f"  killed {pid}: {name}")
+    return lines
+
+
+# --- the worker's side --------------------------------------------------------------------------
+
+class _WorkerRecord:
+    def __init__(self, config):
+        run, worker = config.workerinput["testrunuid"], config.workerinput["workerid"]
+        os.makedirs(records_dir(run), exist_ok=True)
+        self.tag = f"{run}-{worker}"
+        os.environ[TAG_ENV] = self.tag
+        self.file = open(record_path(run, worker), "a", buffering=1)
+        self.write(f"worker {worker}, pid {os.getpid()}")
+        # A fatal signal (SIGSEGV, SIGABRT, ...) dumps every thread here, not to a lost stderr.
+        faulthandler.enable(file=self.file, all_threads=True)
+        self.log_handler = logging.StreamHandler(self.file)
+        self.log_handler.setLevel(logging.WARNING)
+        self.log_handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s "
+                                                        "%(message)s"))
+        logging.getLogger("tfdp").addHandler(self.log_handler)
+        self.timer = None
+
+    def write(self, text: str):
+        self.file.write(f"[{time.strftime('%H:%M:%S')}] {text}\n")
+        self.file.flush()
+
+    def start(self, item):
+        self.write(f"start {item.nodeid}")
+        marker = item.get_closest_marker("timeout")
+        limit = float(marker.args[0]) if marker and marker.args else float(
+            item.config.getini("timeout") or 0)
+        if limit > 0:
+            after = WATCHDOG_FRACTION * limit
+            self.timer = threading.Timer(after, self._watchdog, args=(item.nodeid, after))
+            self.timer.daemon = True
+            self.timer.start()
+
+    def end(self, item):
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _watchdog(self, nodeid, after):
+        self.write(f"watchdog: {nodeid} still running after {after:.0f} s; every thread's stack:")
+        faulthandler.dump_traceback(file=self.file, all_threads=True)
+        self.file.flush()
+        pids = descendants(os.getpid()) + tagged(self.tag)
+        lines = kill_all(dict.fromkeys(pids), spare=(os.getpid(),))
+        self.write("watchdog: killed the test's processes:\n" + "\n".join(lines or ["  (none)"]))
+
+    def close(self):
+        # Whatever a test started and left running outlives the run otherwise.
+        pids = descendants(os.getpid()) + tagged(self.tag)
+        lines = kill_all(dict.fromkeys(pids), spare=(os.getpid(),))
+        if lines:
+            self.write("leftover processes at the end of the run:\n" + "\n".join(lines))
+        logging.getLogger("tfdp").removeHandler(self.log_handler)
+
+
+_record: _WorkerRecord | None = None
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own faulthandler set-up, which it replaces
+def pytest_configure(config):
+    global _record
+    if hasattr(config, "workerinput") and os.path.isdir("/proc"):
+        _record = _WorkerRecord(config)
+
+
+def pytest_unconfigure(config):
+    global _record
+    if _record is not None:
+        _record.close()
+        _record = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if _record is not None:
+        _record.start(item)
+    try:
+        yield
+    finally:
+        if _record is not None:
+            _record.end(item)
+
+
+# --- the controller's side ----------------------------------------------------------------------
+
+def _tail(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()
+    except OSError as e:
+        return f"(no record: {e})"
+    return text[-_RECORD_TAIL:]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched):
+    node = report.node
+    run, worker = node.workerinput["testrunuid"], node.workerinput["workerid"]
+    lines = kill_all(tagged(f"{run}-{worker}"), spare=(os.getpid(),))
+    text = (f"worker {worker!r} crashed while running {crashitem!r}; the end of its record "
+            f"({record_path(run, worker)}):\n{_tail(record_path(run, worker))}\n"
+            f"its processes left running, killed: {len(lines)}\n" + "\n".join(lines))
+    report.longrepr = text
+    reporter = node.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("")
+        reporter.write_line(text)
+
+
+def pytest_runtest_logreport(report):
+    if (LOUD_AFTER_S and report.when == "call" and report.duration >= LOUD_AFTER_S
+            and getattr(report, "node", None) is not None):
+        reporter = report.node.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line("")
+            reporter.write_line(f"slow: {report.nodeid} took {report.duration:.0f} s "
+                                f"({report.outcome})")

@@ -1,0 +1,79 @@
+"""tests/crash_records.py: a pytest-xdist worker that dies mid-test is named with the end of its
+record, at once, and the processes its test left are killed; a test hung on a child is released
+by the watchdog before pytest-timeout's limit. Each case runs a small pytest session of its own
+(no TensorFlow) in a subprocess."""
+
+import glob
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+DYING = textwrap.dedent("""
+    import logging, os, subprocess, sys, time
+    import pytest
+
+    def test_dies_like_a_preemption_backstop(tmp_path):
+        child = subprocess.Popen(["sleep", "300"])
+        (tmp_path.parent.parent / "child.pid").write_text(str(child.pid))
+        logging.getLogger("tfdp").error("no agreed stop within the grace period (a stand-in)")
+        os._exit(143)
+
+    @pytest.mark.timeout(10)
+    def test_hangs_on_a_child():
+        child = subprocess.Popen(["sleep", "300"])
+        assert child.wait() == -9  # released by the watchdog's SIGKILL at 8 s
+""")
+
+
+def _session(tmp_path, plugin=True):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "test_dying.py").write_text(DYING)
+    (tmp_path / "t" / "pytest.ini").write_text("[pytest]\ntimeout = 60\n")
+    env = dict(os.environ, PYTHONPATH=TESTS, TMPDIR=str(tmp_path))
+    env.pop("TFDP_TEST_WORKER", None)
+    cmd = [sys.executable, "-m", "pytest", "-n", "2", "-p", "no:cacheprovider",
+           "--basetemp", str(tmp_path / "base"), str(tmp_path / "t")]
+    if plugin:
+        cmd[3:3] = ["-p", "crash_records"]
+    proc = subprocess.run(cmd, cwd=tmp_path / "t", env=env, capture_output=True, text=True,
+                          timeout=180)
+    return proc.stdout + proc.stderr, int((tmp_path / "base" / "child.pid").read_text())
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_a_dead_worker_is_named_with_its_record_and_its_processes_killed(tmp_path):
+    out, child = _session(tmp_path)
+    assert "crashed while running 'test_dying.py::test_dies_like_a_preemption_backstop'" in out
+    assert "no agreed stop within the grace period (a stand-in)" in out, out[-4000:]
+    assert f"killed {child}: sleep 300" in out, out[-4000:]
+    assert not _alive(child)
+    # The hung test passed: the watchdog killed its child, and wrote why, before the timeout.
+    assert "test_hangs_on_a_child PASSED" in out or "1 failed, 1 passed" in out, out[-4000:]
+    record = "".join(open(p).read() for p in glob.glob(str(tmp_path / "tfdp-tests-*" / "*.log")))
+    assert "watchdog: test_dying.py::test_hangs_on_a_child still running after 8 s" in record
+    assert "killed" in record and "sleep 300" in record
+
+
+@pytest.mark.slow
+def test_guard_without_the_plugin_the_crash_says_nothing_and_the_child_lives(tmp_path):
+    out, child = _session(tmp_path, plugin=False)
+    try:
+        assert "crashed while running" in out
+        assert "no agreed stop within the grace period" not in out
+        assert _alive(child)
+    finally:
+        if _alive(child):
+            os.kill(child, 9)
