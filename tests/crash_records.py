@@ -6,9 +6,9 @@ line tfdp's preemption backstop writes before ``os._exit``) reaches no log CI ke
 that lost a worker that way, then ran out of its time limit before its summary, said nothing
 about either. Rules (a pytest plugin, loaded by tests/conftest.py):
 
-* **Record.** Every xdist worker appends to its own file,
-  ``<tempdir>/tfdp-tests-<run>-records/<worker>.log``: the test it starts, faulthandler's dump
-  on a fatal signal, tfdp's log records of WARNING and above, the watchdog's dump, and the
+* **Record.** Every xdist worker appends to its own file in a directory the controller makes
+  (``$TFDP_TEST_RECORDS/<worker>.log``): the test it starts and ends, faulthandler's dump on a
+  fatal signal, tfdp's log records of WARNING and above, the watchdog's dump, and the
   processes it killed.
 * **Tag.** Every worker puts ``TFDP_TEST_WORKER=<run>-<worker>`` in its environment; whatever
   a test starts inherits it, on this host or through ssh and Slurm, so the worker's processes
@@ -17,6 +17,9 @@ about either. Rules (a pytest plugin, loaded by tests/conftest.py):
   stack written to the record, then its worker's processes killed (its own process tree and
   every tagged process): what waited on them fails with its own error, and the worker lives
   on, where pytest-timeout would end the worker with ``os._exit``.
+* **Stuck.** A test still running a minute past its limit means pytest-timeout's thread never
+  ran (C code holding the GIL): the controller SIGKILLs that worker, which xdist then reports
+  and replaces as below.
 * **Crash.** When a worker dies the controller prints, at once, the end of that worker's record
   (and puts it in the test's report), and SIGKILLs every process still carrying its tag:
   orphans of a dead worker would otherwise take CPU from the rest of the run.
@@ -37,17 +40,16 @@ import time
 import pytest
 
 TAG_ENV = "TFDP_TEST_WORKER"
+RECORDS_ENV = "TFDP_TEST_RECORDS"
 WATCHDOG_FRACTION = 0.8
+STUCK_AFTER_LIMIT_S = float(os.environ.get("TFDP_TEST_STUCK_AFTER_S", "60"))
+STUCK_POLL_S = float(os.environ.get("TFDP_TEST_STUCK_POLL_S", "15"))
 LOUD_AFTER_S = float(os.environ.get("TFDP_TEST_LOUD_AFTER_S", "150"))
 _RECORD_TAIL = 8000
 
 
-def records_dir(testrunuid: str) -> str:
-    return os.path.join(tempfile.gettempdir(), f"tfdp-tests-{testrunuid}-records")
-
-
-def record_path(testrunuid: str, workerid: str) -> str:
-    return os.path.join(records_dir(testrunuid), f"{workerid}.log")
+def record_path(workerid: str) -> str:
+    return os.path.join(os.environ[RECORDS_ENV], f"{workerid}.log")
 
 
 # --- processes: a tree by /proc, and processes by tag ------------------------------------------
@@ -122,11 +124,10 @@ def kill_all(pids, spare=()) -> list[str]:
 class _WorkerRecord:
     def __init__(self, config):
         run, worker = config.workerinput["testrunuid"], config.workerinput["workerid"]
-        os.makedirs(records_dir(run), exist_ok=True)
         self.tag = f"{run}-{worker}"
         os.environ[TAG_ENV] = self.tag
-        self.file = open(record_path(run, worker), "a", buffering=1)
-        self.write(f"worker {worker}, pid {os.getpid()}")
+        self.file = open(record_path(worker), "a", buffering=1)
+        self.write(f"worker {worker}, pid {os.getpid()}, started {_start_time(os.getpid())}")
         # A fatal signal (SIGSEGV, SIGABRT, ...) dumps every thread here, not to a lost stderr.
         faulthandler.enable(file=self.file, all_threads=True)
         self.log_handler = logging.StreamHandler(self.file)
@@ -141,10 +142,10 @@ class _WorkerRecord:
         self.file.flush()
 
     def start(self, item):
-        self.write(f"start {item.nodeid}")
         marker = item.get_closest_marker("timeout")
         limit = float(marker.args[0]) if marker and marker.args else float(
             item.config.getini("timeout") or 0)
+        self.write(f"start {item.nodeid} (limit {limit:.0f} s, at {time.time():.0f})")
         if limit > 0:
             after = WATCHDOG_FRACTION * limit
             self.timer = threading.Timer(after, self._watchdog, args=(item.nodeid, after))
@@ -152,6 +153,7 @@ class _WorkerRecord:
             self.timer.start()
 
     def end(self, item):
+        self.write(f"end {item.nodeid}")
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -174,20 +176,31 @@ class _WorkerRecord:
 
 
 _record: _WorkerRecord | None = None
+_watch = None
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own faulthandler set-up, which it replaces
 def pytest_configure(config):
-    global _record
-    if hasattr(config, "workerinput") and os.path.isdir("/proc"):
-        _record = _WorkerRecord(config)
+    global _record, _watch
+    if not os.path.isdir("/proc"):
+        return
+    if hasattr(config, "workerinput"):
+        if os.environ.get(RECORDS_ENV):
+            _record = _WorkerRecord(config)
+    elif getattr(config.option, "numprocesses", None):
+        # The controller, before it starts its workers (they inherit the environment).
+        os.environ[RECORDS_ENV] = tempfile.mkdtemp(prefix="tfdp-tests-records-")
+        _watch = _StuckWatch(config)
 
 
 def pytest_unconfigure(config):
-    global _record
+    global _record, _watch
     if _record is not None:
         _record.close()
         _record = None
+    if _watch is not None:
+        _watch.stop()
+        _watch = None
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -203,6 +216,61 @@ def pytest_runtest_protocol(item, nextitem):
 
 # --- the controller's side ----------------------------------------------------------------------
 
+def _start_time(pid: int) -> str:
+    """The kernel's start time of ``pid`` (clock ticks since boot): with the pid, it names one
+    process, where a pid alone may be reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return "?"
+
+
+class _StuckWatch:
+    """The controller's thread that SIGKILLs a worker stuck past its test's limit."""
+
+    def __init__(self, config, every_s: float = STUCK_POLL_S):
+        self.config, self.every_s = config, every_s
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="tfdp-stuck-watch", daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.stopped.set()
+
+    def _run(self):
+        while not self.stopped.wait(self.every_s):
+            try:
+                names = os.listdir(os.environ[RECORDS_ENV])
+            except (OSError, KeyError):
+                continue
+            for name in names:
+                self._check(os.path.join(os.environ[RECORDS_ENV], name))
+
+    def _check(self, path):
+        try:
+            lines = [line for line in open(path, errors="replace").read().splitlines()
+                     if line.startswith("[")]
+            first = lines[0].split("] worker ", 1)[1]  # "gw1, pid 123, started 456"
+            pid, started = int(first.split(", pid ")[1].split(",")[0]), first.rsplit(" ", 1)[1]
+            starts = [line for line in lines if "] start " in line or "] end " in line]
+        except (OSError, IndexError, ValueError):
+            return
+        if not starts or "] start " not in starts[-1] or _start_time(pid) != started:
+            return
+        limit, began = starts[-1].rsplit("(limit ", 1)[1].rstrip(")").split(" s, at ")
+        limit, began = float(limit), float(began)
+        if limit > 0 and time.time() - began > limit + STUCK_AFTER_LIMIT_S:
+            with open(path, "a") as f:
+                f.write(f"[{time.strftime('%H:%M:%S')}] controller: the test ran "
+                        f"{time.time() - began:.0f} s, past its limit of {limit:.0f} s with no "
+                        f"timeout (its thread never ran: C code holding the GIL?); SIGKILL to "
+                        f"the worker, pid {pid}\n")
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
 def _tail(path: str) -> str:
     try:
         with open(path, errors="replace") as f:
@@ -215,10 +283,12 @@ def _tail(path: str) -> str:
 @pytest.hookimpl(optionalhook=True)
 def pytest_handlecrashitem(crashitem, report, sched):
     node = report.node
+    if not os.environ.get(RECORDS_ENV):
+        return
     run, worker = node.workerinput["testrunuid"], node.workerinput["workerid"]
     lines = kill_all(tagged(f"{run}-{worker}"), spare=(os.getpid(),))
     text = (f"worker {worker!r} crashed while running {crashitem!r}; the end of its record "
-            f"({record_path(run, worker)}):\n{_tail(record_path(run, worker))}\n"
+            f"({record_path(worker)}):\n{_tail(record_path(worker))}\n"
             f"its processes left running, killed: {len(lines)}\n" + "\n".join(lines))
     report.longrepr = text
     reporter = node.config.pluginmanager.get_plugin("terminalreporter")

@@ -29,12 +29,24 @@ DYING = textwrap.dedent("""
         assert child.wait() == -9  # released by the watchdog's SIGKILL at 8 s
 """)
 
+# C code that holds the GIL (ctypes.PyDLL keeps it): neither pytest-timeout's thread nor the
+# watchdog's can run.
+STUCK = textwrap.dedent("""
+    import ctypes
+    import pytest
 
-def _session(tmp_path, plugin=True):
+    @pytest.mark.timeout(3)
+    def test_stuck_in_c_holding_the_gil():
+        ctypes.PyDLL(None).sleep(300)
+""")
+
+
+def _session(tmp_path, plugin=True, tests=DYING):
     (tmp_path / "t").mkdir()
-    (tmp_path / "t" / "test_dying.py").write_text(DYING)
-    (tmp_path / "t" / "pytest.ini").write_text("[pytest]\ntimeout = 60\n")
-    env = dict(os.environ, PYTHONPATH=TESTS, TMPDIR=str(tmp_path))
+    (tmp_path / "t" / "test_dying.py").write_text(tests)
+    (tmp_path / "t" / "pytest.ini").write_text("[pytest]\ntimeout = 60\ntimeout_method = thread\n")
+    env = dict(os.environ, PYTHONPATH=TESTS, TMPDIR=str(tmp_path), TFDP_TEST_STUCK_AFTER_S="2",
+               TFDP_TEST_STUCK_POLL_S="1")
     env.pop("TFDP_TEST_WORKER", None)
     cmd = [sys.executable, "-m", "pytest", "-n", "2", "-p", "no:cacheprovider",
            "--basetemp", str(tmp_path / "base"), str(tmp_path / "t")]
@@ -42,7 +54,8 @@ def _session(tmp_path, plugin=True):
         cmd[3:3] = ["-p", "crash_records"]
     proc = subprocess.run(cmd, cwd=tmp_path / "t", env=env, capture_output=True, text=True,
                           timeout=180)
-    return proc.stdout + proc.stderr, int((tmp_path / "base" / "child.pid").read_text())
+    child = tmp_path / "base" / "child.pid"
+    return proc.stdout + proc.stderr, int(child.read_text()) if child.exists() else None
 
 
 def _alive(pid):
@@ -77,3 +90,10 @@ def test_guard_without_the_plugin_the_crash_says_nothing_and_the_child_lives(tmp
     finally:
         if _alive(child):
             os.kill(child, 9)
+
+
+@pytest.mark.slow
+def test_a_worker_stuck_in_c_past_its_limit_is_killed_by_the_controller(tmp_path):
+    out, _ = _session(tmp_path, tests=STUCK)
+    assert "crashed while running 'test_dying.py::test_stuck_in_c_holding_the_gil'" in out, out
+    assert "past its limit of 3 s with no timeout" in out, out[-4000:]
