@@ -13,6 +13,9 @@ about either. Rules (a pytest plugin, loaded by tests/conftest.py):
 * **Tag.** Every worker puts ``TFDP_TEST_WORKER=<run>-<worker>`` in its environment; whatever
   a test starts inherits it, on this host or through ssh and Slurm, so the worker's processes
   can be found by tag even after the worker is gone (kill by pid, never by name).
+* **Probe.** A test still running ``PROBE_EVERY_S`` after it started, and every
+  ``PROBE_EVERY_S`` after that, has its main thread's innermost frames and the process's CPU
+  seconds so far written to the record: where a test that is slow only in the suite waits.
 * **Watchdog.** A test still running at 80% of its pytest-timeout limit has every thread's
   stack written to the record, then its worker's processes killed (its own process tree and
   every tagged process): what waited on them fails with its own error, and the worker lives
@@ -33,9 +36,11 @@ import faulthandler
 import logging
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
+import traceback
 
 import pytest
 
@@ -44,6 +49,7 @@ RECORDS_ENV = "TFDP_TEST_RECORDS"
 WATCHDOG_FRACTION = 0.8
 STUCK_AFTER_LIMIT_S = float(os.environ.get("TFDP_TEST_STUCK_AFTER_S", "60"))
 STUCK_POLL_S = float(os.environ.get("TFDP_TEST_STUCK_POLL_S", "15"))
+PROBE_EVERY_S = float(os.environ.get("TFDP_TEST_PROBE_EVERY_S", "15"))
 LOUD_AFTER_S = float(os.environ.get("TFDP_TEST_LOUD_AFTER_S", "150"))
 _RECORD_TAIL = 8000
 
@@ -119,6 +125,11 @@ def kill_all(pids, spare=()) -> list[str]:
     return lines
 
 
+def _cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 # --- the worker's side --------------------------------------------------------------------------
 
 class _WorkerRecord:
@@ -136,6 +147,8 @@ class _WorkerRecord:
                                                         "%(message)s"))
         logging.getLogger("tfdp").addHandler(self.log_handler)
         self.timer = None
+        self.probe = None
+        self.current = None  # the running test's node id
 
     def write(self, text: str):
         self.file.write(f"[{time.strftime('%H:%M:%S')}] {text}\n")
@@ -146,6 +159,10 @@ class _WorkerRecord:
         limit = float(marker.args[0]) if marker and marker.args else float(
             item.config.getini("timeout") or 0)
         self.write(f"start {item.nodeid} (limit {limit:.0f} s, at {time.time():.0f})")
+        self.current = item.nodeid
+        if PROBE_EVERY_S > 0:
+            self._probe_later(item.nodeid, threading.main_thread().ident, time.monotonic(),
+                              _cpu_seconds())
         if limit > 0:
             after = WATCHDOG_FRACTION * limit
             self.timer = threading.Timer(after, self._watchdog, args=(item.nodeid, after))
@@ -154,9 +171,30 @@ class _WorkerRecord:
 
     def end(self, item):
         self.write(f"end {item.nodeid}")
+        self.current = None
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        if self.probe is not None:
+            self.probe.cancel()
+            self.probe = None
+
+    def _probe_later(self, nodeid, ident, began, cpu_began):
+        self.probe = threading.Timer(PROBE_EVERY_S, self._probe,
+                                     args=(nodeid, ident, began, cpu_began))
+        self.probe.daemon = True
+        self.probe.start()
+
+    def _probe(self, nodeid, ident, began, cpu_began):
+        if self.current != nodeid:  # ended meanwhile
+            return
+        frame = sys._current_frames().get(ident)
+        stack = traceback.format_stack(frame)[-12:] if frame is not None else []
+        self.write(f"probe: {nodeid} {time.monotonic() - began:.0f} s in, this process's CPU "
+                   f"{_cpu_seconds() - cpu_began:.1f} s; its main thread, innermost last:\n"
+                   + "".join(stack).rstrip())
+        if self.current == nodeid:
+            self._probe_later(nodeid, ident, began, cpu_began)
 
     def _watchdog(self, nodeid, after):
         self.write(f"watchdog: {nodeid} still running after {after:.0f} s; every thread's stack:")
