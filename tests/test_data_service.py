@@ -1,9 +1,14 @@
 """tfdp.data through a tf.data service: a real dispatcher and two worker servers on 127.0.0.1
-in this process; trainers are this process (1 worker x 4 replicas) or two real tfdp-run worker
+in a process of their own; trainers are this process (1 worker x 4 replicas) or two real tfdp-run worker
 processes x 2 replicas (slow)."""
 
 import json
+import os
+import select
+import signal
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -18,14 +23,20 @@ from launching import run_job, tfdp_run_command, worker_env, worker_script
 
 @pytest.fixture(scope="module")
 def service():
-    svc = tf.data.experimental.service
-    dispatcher = svc.DispatchServer(svc.DispatcherConfig(port=0))
-    address = dispatcher.target.rpartition("://")[2]
-    workers = [svc.WorkerServer(svc.WorkerConfig(dispatcher_address=address)) for _ in range(2)]
-    yield "grpc://" + address
-    for w in workers:
-        w.stop()
-    dispatcher.stop()
+    """A dispatcher and two worker servers in a process of their own
+    (tests/workers/data_service_servers.py), SIGKILLed at the end of the module."""
+    proc = subprocess.Popen([sys.executable, worker_script("data_service_servers.py"), "2"],
+                            env=worker_env(), stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        address = proc.stdout.readline().strip() if ready else ""
+        assert address, f"the tf.data service process printed no address (exit {proc.poll()})"
+        yield "grpc://" + address
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        proc.stdout.close()
 
 
 def test_every_element_once_per_epoch_through_the_service(strategy4, service):
