@@ -44,6 +44,8 @@ import traceback
 
 import pytest
 
+from procs import carrying, descendants
+
 TAG_ENV = "TFDP_TEST_WORKER"
 RECORDS_ENV = "TFDP_TEST_RECORDS"
 WATCHDOG_FRACTION = 0.8
@@ -60,46 +62,9 @@ def record_path(workerid: str) -> str:
 
 # --- processes: a tree by /proc, and processes by tag ------------------------------------------
 
-def _children(pid: int) -> list[int]:
-    found = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                found += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
-    return found
-
-
-def descendants(pid: int) -> list[int]:
-    """``pid``'s children, their children, ... (not ``pid``)."""
-    found, todo = [], _children(pid)
-    while todo:
-        child = todo.pop()
-        if child not in found:
-            found.append(child)
-            todo += _children(child)
-    return found
-
-
 def tagged(tag: str) -> list[int]:
     """The processes whose environment carries ``TFDP_TEST_WORKER=<tag>``."""
-    needle = f"{TAG_ENV}={tag}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    found.append(int(entry))
-        except OSError:
-            pass
-    return found
+    return carrying(TAG_ENV, tag)
 
 
 def _cmdline(pid: int) -> str:
@@ -200,14 +165,17 @@ class _WorkerRecord:
         self.write(f"watchdog: {nodeid} still running after {after:.0f} s; every thread's stack:")
         faulthandler.dump_traceback(file=self.file, all_threads=True)
         self.file.flush()
-        pids = descendants(os.getpid()) + tagged(self.tag)
-        lines = kill_all(dict.fromkeys(pids), spare=(os.getpid(),))
+        lines = self._kill_processes()
         self.write("watchdog: killed the test's processes:\n" + "\n".join(lines or ["  (none)"]))
+
+    def _kill_processes(self) -> list[str]:
+        """SIGKILLs this worker's processes: its descendants and everything carrying its tag."""
+        pids = descendants(os.getpid()) + tagged(self.tag)
+        return kill_all(dict.fromkeys(pids), spare=(os.getpid(),))
 
     def close(self):
         # Whatever a test started and left running outlives the run otherwise.
-        pids = descendants(os.getpid()) + tagged(self.tag)
-        lines = kill_all(dict.fromkeys(pids), spare=(os.getpid(),))
+        lines = self._kill_processes()
         if lines:
             self.write("leftover processes at the end of the run:\n" + "\n".join(lines))
         logging.getLogger("tfdp").removeHandler(self.log_handler)

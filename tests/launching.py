@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 
+from procs import carrying, descendants
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 WORKERS = os.path.join(TESTS, "workers")
@@ -98,33 +100,13 @@ class JobTimeout(subprocess.TimeoutExpired):
                 f"{self.stacks}\n--- the job's output (end) ---\n{(self.output or '')[-6000:]}")
 
 
-def _children(pid):
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(c) for c in f.read().split()]
-    except OSError:
-        return []
-
-
 def _job_processes(root, env):
-    """``root``'s descendants, and (workers started over ssh are sshd's children) every process
-    whose environment has this job's ``TFDP_TEST_OUT``."""
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo += _children(pid)
+    """``root`` and its descendants, and (workers started over ssh are sshd's children) every
+    process whose environment has this job's ``TFDP_TEST_OUT``."""
+    found = [root] + descendants(root)
     marker = env.get("TFDP_TEST_OUT") if env else None
     if marker and os.path.isdir("/proc"):
-        needle = f"TFDP_TEST_OUT={marker}".encode()
-        for entry in os.listdir("/proc"):
-            if entry.isdigit() and int(entry) not in found:
-                try:
-                    with open(f"/proc/{entry}/environ", "rb") as f:
-                        if needle in f.read().split(b"\0"):
-                            found.append(int(entry))
-                except OSError:
-                    pass
+        found += [pid for pid in carrying("TFDP_TEST_OUT", marker) if pid not in found]
     return found
 
 

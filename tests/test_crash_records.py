@@ -11,6 +11,8 @@ import textwrap
 
 import pytest
 
+from procs import process_alive
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 DYING = textwrap.dedent("""
@@ -58,21 +60,13 @@ def _session(tmp_path, plugin=True, tests=DYING):
     return proc.stdout + proc.stderr, int(child.read_text()) if child.exists() else None
 
 
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.slow
 def test_a_dead_worker_is_named_with_its_record_and_its_processes_killed(tmp_path):
     out, child = _session(tmp_path)
     assert "crashed while running 'test_dying.py::test_dies_like_a_preemption_backstop'" in out
     assert "no agreed stop within the grace period (a stand-in)" in out, out[-4000:]
     assert f"killed {child}: sleep 300" in out, out[-4000:]
-    assert not _alive(child)
+    assert not process_alive(child)
     # The hung test passed: the watchdog killed its child, and wrote why, before the timeout.
     assert "test_hangs_on_a_child PASSED" in out or "1 failed, 1 passed" in out, out[-4000:]
     record = "".join(open(p).read() for p in glob.glob(str(tmp_path / "tfdp-tests-*" / "*.log")))
@@ -86,9 +80,9 @@ def test_guard_without_the_plugin_the_crash_says_nothing_and_the_child_lives(tmp
     try:
         assert "crashed while running" in out
         assert "no agreed stop within the grace period" not in out
-        assert _alive(child)
+        assert process_alive(child)
     finally:
-        if _alive(child):
+        if process_alive(child):
             os.kill(child, 9)
 
 
