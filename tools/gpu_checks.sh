@@ -4,16 +4,17 @@
 # Runs the steps in order, each bounded by what is left of SECONDS (default 520), and writes
 # OUT_DIR/steps.log (the GPU, each step's exit code and seconds, the benchmarks' output),
 # OUT_DIR/tier.log (pytest -m gpu) and OUT_DIR/<bench>.{md,csv}. A step that fails or runs out
-# of time does not stop the later ones. STEPS (default: all) picks steps by name, comma-separated:
-#   resnet256  ResNet-50 bf16, batch 256: tfdp default, no strategy (XLA by Keras), Mirrored default
+# of time does not stop the later ones. Env: BENCH_CONFIGS (default tfdp,none,mirrored) and
+# BENCH_EPOCHS (default 2) for the benchmark steps. STEPS (default: all) picks steps by name, comma-separated:
 #   tier       the GPU tier, tests/test_gpu.py (fit equivalence with and without XLA on the GPU
 #              and on two logical GPUs, fp16/bf16 compression, tfdp-run --workers 2 on one GPU)
+#   resnet256  ResNet-50 bf16, batch 256: tfdp default, no strategy (XLA by Keras), Mirrored default
 #   resnet128  the same three at batch 128
 #   encoder    the transformer encoder, bf16, batch 64: the same three
 set -u
 OUT=${1:?usage: gpu_checks.sh OUT_DIR [SECONDS] [STEPS]}
 BUDGET=${2:-520}
-WANT=${3:-resnet256,tier,resnet128,encoder}
+WANT=${3:-tier,resnet256,resnet128,encoder}
 START=$SECONDS
 mkdir -p "$OUT"
 LOG=$OUT/steps.log
@@ -34,11 +35,11 @@ step() {  # step NAME LOGFILE COMMAND...
   echo "step $name: rc=$rc in $((SECONDS - begin)) s" >>"$LOG"
 }
 
-BENCH=(python3 tools/bench_gpu.py --precisions bf16 --configs tfdp,none,mirrored --steps 30
-       --epochs 2 ${BENCH_EXTRA:-})  # BENCH_EXTRA=--tiny: a CPU smoke run of this script
-step resnet256 "$LOG" "${BENCH[@]}" --models resnet50 --batch 256 --out "$OUT/resnet256"
+BENCH=(python3 tools/bench_gpu.py --precisions bf16 --configs "${BENCH_CONFIGS:-tfdp,none,mirrored}"
+       --steps 30 --epochs "${BENCH_EPOCHS:-2}" ${BENCH_EXTRA:-})  # BENCH_EXTRA=--tiny: a CPU smoke run of this script
 step tier "$OUT/tier.log" python3 -m pytest -m gpu tests/test_gpu.py -v -p no:cacheprovider \
   -o addopts="-rA --durations=10"
+step resnet256 "$LOG" "${BENCH[@]}" --models resnet50 --batch 256 --out "$OUT/resnet256"
 step resnet128 "$LOG" "${BENCH[@]}" --models resnet50 --batch 128 --out "$OUT/resnet128"
 step encoder "$LOG" "${BENCH[@]}" --models transformer --batch 64 --out "$OUT/encoder"
 echo "done at $((SECONDS - START)) s" >>"$LOG"
