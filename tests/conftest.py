@@ -5,6 +5,12 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from launching import hide_keras_optional  # noqa: E402
+
+# Every process of the session (the xdist workers start after this runs in the controller)
+# imports Keras without the optional packages it would load and no test uses through it.
+hide_keras_optional(os.environ)
+
 import pytest  # noqa: E402
 
 import tfdp  # noqa: E402

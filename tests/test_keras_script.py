@@ -296,7 +296,7 @@ def _check_fit_phase(out, ref, records, script):
 def test_keras_script_on_two_workers_writes_and_decides_like_one_process(tmp_path):
     script = _load_script()
     out, ref = tmp_path / "job", tmp_path / "one-process"
-    code, output, temp = _launch(tmp_path, out, ["fit", "early_stop", "nan", "local_stop"])
+    code, output, temp = _launch(tmp_path, out, ["fit", "early_stop"])
     assert code == 0, output
     script.main(str(ref), ["fit", "early_stop"], "adam", 5, tfdp.DataParallelStrategy())
     records, (reference,) = _records(out), _records(ref, ranks=(0,))
@@ -305,18 +305,31 @@ def test_keras_script_on_two_workers_writes_and_decides_like_one_process(tmp_pat
                                    capture_output=True, text=True).stdout
     assert output.count("Epoch 1/5") == (1 if "--output" in launcher_help else 2), output
 
-    for phase in ("fit", "early_stop", "nan", "local_stop"):
+    for phase in ("fit", "early_stop"):
         _same_decisions(records, phase)
     _check_fit_phase(str(out), str(ref), records, script)
     # EarlyStopping(patience=1) on a rising validation loss: epoch 2 of 10 everywhere, like
     # one process; ReduceLROnPlateau halved the rate at the same epoch everywhere.
     assert records[0]["early_stop"]["epochs"] == reference["early_stop"]["epochs"] == [0, 1]
     assert records[0]["early_stop"]["lr"] == pytest.approx([0.01, 0.005])
+    # No private directory is left behind.
+    assert glob.glob(str(temp / "tfdp-worker*")) == []
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_a_stop_seen_by_one_worker_stops_every_worker_at_the_same_point(tmp_path):
+    # (A job of its own, so that no test of this module runs past a minute on a loaded host.)
+    out = tmp_path / "job"
+    code, output, temp = _launch(tmp_path, out, ["nan", "local_stop"])
+    assert code == 0, output
+    records = _records(out)
+    for phase in ("nan", "local_stop"):
+        _same_decisions(records, phase)
     # A NaN seen by one worker stops both at the same batch.
     assert records[0]["nan"]["batches"] == 2 and np.isnan(records[0]["nan"]["logs"][0]["loss"])
     # One worker's callback stops alone: every worker stops after the same epoch.
     assert records[0]["local_stop"]["epochs"] == records[1]["local_stop"]["epochs"] == [0]
-    # No private directory is left behind.
     assert glob.glob(str(temp / "tfdp-worker*")) == []
 
 

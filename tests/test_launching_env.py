@@ -1,12 +1,14 @@
-"""The worker environment tests/launching.py gives every job: the packages Keras would import
-at its own import and no worker uses stay unimported (tests/hidden_imports), so each of the
-suite's few hundred worker processes starts about 2 s of CPU sooner; scikit-learn, which the
-examples use, is hidden from Keras's import only."""
+"""The environment of every process the suite starts (tests/conftest.py gives it to the whole
+session, tests/launching.py's worker_env to every job): the packages Keras would import at its
+own import and no test uses through Keras stay unimported (tests/hidden_imports), so each of
+the suite's few hundred processes starts about 1.5 s of CPU sooner; they are hidden from Keras's
+import only, and everyone else (the examples' scikit-learn, the tools' plots) gets the real one."""
 
+import os
 import subprocess
 import sys
 
-from launching import worker_env
+from launching import HIDDEN_IMPORTS, worker_env
 
 HIDDEN = ("matplotlib", "pandas", "sklearn", "scipy.stats")
 
@@ -25,16 +27,51 @@ print(sklearn.__file__, load_digits().data.shape, roc_auc_score([0, 1], [0.2, 0.
 """
 
 
-def run_in_worker_env(code):
-    out = subprocess.run([sys.executable, "-c", code], env=worker_env(TF_CPP_MIN_LOG_LEVEL=3),
+# What a tool does with matplotlib and what pandas users do, after Keras's import.
+PLOT_AND_FRAME = """
+import keras, matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt, pandas
+from keras.src.trainers.data_adapters import array_slicing
+from keras.src.visualization import plot_image_gallery
+plt.plot([0, 1]); plt.savefig("plot.png")
+print(matplotlib.__file__, pandas.__file__, pandas.DataFrame({"a": [1, 2]}).shape,
+      array_slicing.pandas, plot_image_gallery.plt, sep="|")
+"""
+
+
+def run_in_worker_env(code, env=None, cwd=None):
+    env = worker_env(TF_CPP_MIN_LOG_LEVEL=3) if env is None else env
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().splitlines()[-1]
 
 
 def test_worker_processes_import_keras_without_the_hidden_packages():
-    # Guard: with TFDP_TEST_SHOW_OPTIONAL=1 in pytest's environment the list is not empty.
     assert run_in_worker_env(PROBE) == "[]"
+
+
+def test_any_process_the_session_starts_imports_keras_without_them():
+    # This process's own environment, as a test's plain subprocess.run inherits it.
+    assert HIDDEN_IMPORTS in os.environ["PYTHONPATH"].split(os.pathsep)
+    assert run_in_worker_env(PROBE, env=dict(os.environ)) == "[]"
+
+
+def test_guard_without_the_stand_ins_keras_imports_them():
+    env = dict(os.environ, TFDP_TEST_SHOW_OPTIONAL="1", PYTHONPATH=os.pathsep.join(
+        p for p in os.environ["PYTHONPATH"].split(os.pathsep) if p != HIDDEN_IMPORTS))
+    assert run_in_worker_env(PROBE, env=env) == str(sorted(HIDDEN))
+
+
+def test_a_tool_in_a_worker_process_gets_the_real_matplotlib_and_pandas(tmp_path):
+    plot, frame, shape, keras_pandas, keras_plt = run_in_worker_env(
+        PLOT_AND_FRAME, cwd=tmp_path).split("|")
+    assert "hidden_imports" not in plot + frame
+    assert plot.endswith("site-packages/matplotlib/__init__.py"), plot
+    assert frame.endswith("site-packages/pandas/__init__.py"), frame
+    assert (shape, keras_pandas, keras_plt) == ("(2, 1)", "None", "None")
+    assert (tmp_path / "plot.png").stat().st_size > 0
 
 
 def test_an_example_in_a_worker_process_gets_the_real_scikit_learn():

@@ -1,4 +1,6 @@
-# Hidden from the worker processes tests start (tests/launching.py, worker_env): Keras imports
-# matplotlib at its own import when it is installed (about 0.4-0.6 s of CPU per process), and no
-# worker script uses it.
-raise ImportError("matplotlib is hidden from test worker processes (tests/launching.py)")
+"""matplotlib, hidden from Keras's image gallery (``keras.src.visualization``), real for everyone
+else (the tools' plots): see tests/hidden_imports/_keras_optional.py."""
+
+import _keras_optional
+
+_keras_optional.stand_in(__name__, "visualization")
