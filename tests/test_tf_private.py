@@ -4,6 +4,8 @@ own rules: patches are recorded and undone, and each area module imports on its 
 
 import inspect
 
+import keras
+import numpy as np
 import pytest
 
 import tfdp
@@ -557,9 +559,10 @@ import keras
 import tensorflow as tf
 import tfdp
 from tfdp import _tf_private as tp
-from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer, TFEpochIterator
 from keras.src.legacy.saving import legacy_h5_format
 from keras.src.saving import saving_lib
+from keras.src.trainers.epoch_iterator import EpochIterator
 from keras.src.trainers.trainer import Trainer
 from keras.src.utils import file_utils
 from tensorflow.python.data.ops import multi_device_iterator_ops
@@ -580,6 +583,8 @@ targets = [
     (tf.train.Checkpoint, "_write"), (tf.train.CheckpointManager, "save"),
     (keras.callbacks.CSVLogger, "on_train_begin"), (keras.callbacks.CallbackList, "on_epoch_end"),
     (multi_device_iterator_ops, "_create_device_dataset"),
+    (EpochIterator, "_enumerate_iterator"), (TFEpochIterator, "_get_iterator"),
+    (TensorFlowTrainer, "_maybe_symbolic_build"),
 ]
 
 def snapshot():
@@ -612,6 +617,8 @@ tp.patch_checkpoint_manager_save(wrap)
 tp.patch_keras_callback("CSVLogger", "on_train_begin", wrap)
 tp.patch_keras_callback("CallbackList", "on_epoch_end", wrap)
 tp.patch_device_datasets_without_autotune()
+tp.patch_keras_epoch_iterators(lambda epoch_iterator: True)
+tp.patch_keras_symbolic_build(lambda model: True)
 during = snapshot()
 # Guard: without a restore every target differs from what TensorFlow and Keras had.
 same = [t for t, b, d in zip(targets, before, during) if d[0] is b[0]]
@@ -631,7 +638,7 @@ print("restored", restored, "targets", len(targets))
 def test_restore_patches_leaves_tensorflow_and_keras_as_they_were():
     words = _python(RESTORE_EVERY_PATCH).split()
     restored, targets = int(words[words.index("restored") + 1]), int(words[-1])
-    assert targets == 28 and restored >= targets, words
+    assert targets == 31 and restored >= targets, words
 
 
 # Each area module imported first, with the package's __init__ not run (a stand-in package
@@ -828,6 +835,58 @@ def test_profiler_trace_reads_as_an_xspace(tmp_path):
     assert host
     names = {m.name for p in host for m in p.event_metadata.values()}
     assert any(n.startswith("pinned_matmul") for n in names), sorted(names)[:20]
+
+
+@pytest.mark.parametrize("steps_per_epoch", [None, 4])
+def test_fit_makes_one_distributed_iterator_per_epoch(monkeypatch, steps_per_epoch):
+    """Pins _tf_private.patch_keras_epoch_iterators and patch_keras_symbolic_build: under a
+    tfdp strategy, ``fit`` over a dataset of known length makes one distributed iterator per
+    training epoch and one per validation, and trains as before. Guard: Keras's own methods
+    (the patches' originals) make one more after every epoch and every validation when no
+    ``steps_per_epoch`` is given (then never used), and one per validation to read a batch
+    that builds nothing; with ``steps_per_epoch`` Keras uses the one made after an epoch."""
+    import tensorflow as tf
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer, TFEpochIterator
+    from keras.src.trainers.epoch_iterator import EpochIterator
+    from tensorflow.python.distribute import input_lib
+
+    strategy = tfdp.DataParallelStrategy([f"/device:CPU:{i}" for i in range(2)])
+    assert getattr(EpochIterator._enumerate_iterator, "_tfdp_patch", False)
+    assert getattr(TFEpochIterator._get_iterator, "_tfdp_patch", False)
+    made = []
+    iterate = input_lib.DistributedDataset.__iter__
+    monkeypatch.setattr(input_lib.DistributedDataset, "__iter__",
+                        lambda self: made.append(1) or iterate(self))
+    x = np.arange(64, dtype="float32").reshape(32, 2) / 64
+    train = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(8)  # 4 steps
+    val = train.take(2)
+
+    def fit():
+        made.clear()
+        with strategy.scope():
+            keras.utils.set_random_seed(3)
+            model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.fit(train, validation_data=val, epochs=3, steps_per_epoch=steps_per_epoch,
+                  verbose=0)
+        return len(made), model.get_weights()
+
+    ours, weights = fit()
+    monkeypatch.setattr(EpochIterator, "_enumerate_iterator",
+                        EpochIterator._enumerate_iterator.__wrapped__)
+    monkeypatch.setattr(TFEpochIterator, "_get_iterator", TFEpochIterator._get_iterator.__wrapped__)
+    monkeypatch.setattr(TensorFlowTrainer, "_maybe_symbolic_build",
+                        TensorFlowTrainer._maybe_symbolic_build.__wrapped__)
+    kerass, keras_weights = fit()
+    for got, want in zip(weights, keras_weights):
+        np.testing.assert_array_equal(got, want)
+    # fit's build (the model's compiled loss is not built yet: Keras's own path), then per
+    # epoch the training iterator and the validation's; Keras's own methods add one after
+    # every epoch and validation (no steps_per_epoch), and the validation's build.
+    if steps_per_epoch is None:
+        assert (ours, kerass) == (1 + 3 + 3, 1 + 2 * 3 + 3 * 3)
+    else:  # Keras makes the next epoch's iterator after each epoch, and uses it
+        assert (ours, kerass) == (1 + 1 + 3 + 3, 1 + 1 + 3 + 3 * 3)
 
 
 def test_per_replica_input_pipelines_run_without_the_autotune_thread(monkeypatch):

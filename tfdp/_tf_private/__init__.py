@@ -108,6 +108,8 @@ from tfdp._tf_private.keras_trainer import (
     keras_make_step_function,
     keras_model_supports_jit,
     patch_keras_auto_jit_compile,
+    patch_keras_epoch_iterators,
+    patch_keras_symbolic_build,
     patch_keras_step_functions,
     set_keras_epoch_length,
     set_keras_initial_epoch,
@@ -198,6 +200,8 @@ __all__ = [
     "set_distributed_dataset_cardinality", "skip_end_of_data_agreement",
     "end_of_data_agreement", "dataset_flat_types_and_shapes", "autograph_user_function",
     "patch_device_datasets_without_autotune",
+    "patch_keras_epoch_iterators",
+    "patch_keras_symbolic_build",
     # coordination
     "publish_to_coordination_service", "read_from_coordination_service",
     "delete_from_coordination_service",

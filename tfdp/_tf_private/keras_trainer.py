@@ -153,6 +153,91 @@ def set_keras_initial_epoch(model, epoch: int) -> None:
     model._initial_epoch = int(epoch)  # noqa: SLF001
 
 
+# --- One distributed iterator per epoch (tfdp/strategy/keras_integration.py) ---------------
+
+# Why (build): under any tf.distribute strategy Keras's ``fit`` and ``evaluate`` (so every
+# validation) start by making a distributed iterator and reading one batch from it
+# (``TensorFlowTrainer._maybe_symbolic_build``), which ``_symbolic_build`` needs only while
+# a layer, the compiled metrics or the compiled loss is still unbuilt; the iterator is then
+# dropped (``epoch_iterator.reset()``). Once all are built the patch calls
+# ``_symbolic_build`` without a batch, as Keras itself does when it has one (it skips the
+# part that needs one and builds the optimizer if it must). ``_unbuilt_for_symbolic_build``
+# repeats Keras's three tests.
+def _unbuilt_for_symbolic_build(model) -> bool:
+    metrics, loss = model._compile_metrics, model._compile_loss  # noqa: SLF001
+    return (not all(layer.built for layer in model._flatten_layers())  # noqa: SLF001
+            or (metrics is not None and not metrics.built)
+            or (loss is not None and not loss.built))
+
+
+def patch_keras_symbolic_build(applies) -> None:
+    """Class patch of ``TensorFlowTrainer._maybe_symbolic_build``: no iterator is made to
+    build a model that is built (see the note above); ``applies(model)`` limits it."""
+    _, tf_trainer = _keras_trainer_classes()
+
+    def make(original):
+        def maybe_symbolic_build(self, iterator=None, data_batch=None):
+            if (iterator is None or data_batch is not None or not applies(self)
+                    or _unbuilt_for_symbolic_build(self)):
+                return original(self, iterator=iterator, data_batch=data_batch)
+            with self.distribute_strategy.scope():
+                self._symbolic_build(data_batch=None)  # noqa: SLF001
+
+        return maybe_symbolic_build
+
+    _patch(tf_trainer, "_maybe_symbolic_build", make, "no iterator to build a built model")
+
+
+# Why (epochs): with a dataset of known length and no ``steps_per_epoch``, Keras's epoch iterator
+# (``EpochIterator._enumerate_iterator``) makes a new iterator at the start of every epoch and
+# one more right after its last step that no one uses: the next epoch makes its own at its
+# start (and a ``fit`` or ``evaluate`` that ends drops it). Over several replicas each one is a
+# MultiDeviceIterator whose per-device functions TensorFlow traces anew, and whose pipelines
+# start prefetching at once: 190 ms of CPU on 4 CPU replicas, more than the ten steps of a
+# short epoch. No public API controls when Keras makes iterators. Where the one made after the
+# last step is never used (no ``steps_per_epoch``), the patch gives Keras an empty placeholder
+# instead; with ``steps_per_epoch`` Keras uses that iterator for the next epoch, and nothing
+# changes. ``applies(epoch_iterator)`` limits it to tfdp's strategies.
+_UNUSED_NEXT = "_tfdp_next_iterator_unused"
+
+
+def patch_keras_epoch_iterators(applies) -> None:
+    """Class patches of ``EpochIterator._enumerate_iterator`` and
+    ``TFEpochIterator._get_iterator``: no iterator is made after an epoch's last step when
+    the next epoch makes its own (see the note above)."""
+    from keras.src.backend.tensorflow.trainer import TFEpochIterator
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    def make_enumerate(original):
+        def enumerate_iterator(self):
+            steps = original(self)
+            if self.steps_per_epoch is not None or not applies(self):
+                yield from steps
+                return
+            for item in steps:
+                yield item
+                # Keras's own test, made when it resumes after this step: the epoch is over
+                # and it is about to make an iterator the next epoch will replace.
+                if self._num_batches and self._steps_seen >= self._num_batches:
+                    setattr(self, _UNUSED_NEXT, True)
+            vars(self).pop(_UNUSED_NEXT, None)
+
+        return enumerate_iterator
+
+    def make_get_iterator(original):
+        def get_iterator(self):
+            if vars(self).pop(_UNUSED_NEXT, False):
+                return ()
+            return original(self)
+
+        return get_iterator
+
+    _patch(EpochIterator, "_enumerate_iterator", make_enumerate,
+           "one distributed iterator per epoch")
+    _patch(TFEpochIterator, "_get_iterator", make_get_iterator,
+           "one distributed iterator per epoch")
+
+
 # --- fit's input (tfdp/strategy/keras_integration.py) -------------------------------------
 
 def patch_keras_fit(make) -> None:

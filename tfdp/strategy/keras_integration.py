@@ -42,8 +42,8 @@ from __future__ import annotations
 import functools
 
 from tfdp import _tf_private
-from tfdp.strategy import (chief_writes, consensus, gradient_hooks, randomness,
-                           sharded_parameters, sharded_units, xla)
+from tfdp.strategy import (chief_writes, consensus, gradient_hooks, is_data_parallel,
+                           randomness, sharded_parameters, sharded_units, xla)
 
 __all__ = ["install", "uninstall", "installed", "install_fit_input", "fit_input", "at_fit_exit",
            "require", "add_feature", "installed_features", "FEATURES"]
@@ -56,6 +56,16 @@ def _collective_timing():
     from tfdp.strategy import timing
 
     timing.install_collective_timing()
+
+
+def _install_epoch_iterators():
+    # Keras makes fewer distributed iterators under tfdp's strategies: none to build a built
+    # model, none after an epoch that the next one would replace (_tf_private.keras_trainer).
+    _tf_private.patch_keras_symbolic_build(
+        lambda model: is_data_parallel(model.distribute_strategy))
+    _tf_private.patch_keras_epoch_iterators(
+        lambda epoch_iterator: is_data_parallel(
+            getattr(epoch_iterator, "_distribute_strategy", None)))
 
 
 # feature -> the function that installs its patches (each idempotent). A layer above the
@@ -71,9 +81,10 @@ FEATURES = {
     "chief_writes": lambda: chief_writes.install(),
     "collective_timing": _collective_timing,
     "device_input": lambda: _tf_private.patch_device_datasets_without_autotune(),
+    "epoch_iterators": lambda: _install_epoch_iterators(),
 }
 _BASE = ("gradients", "zero3_moving_average", "zero3_units", "xla", "random_draws", "fit_input",
-         "device_input")
+         "device_input", "epoch_iterators")
 _by_feature: dict = {}  # feature -> ((owner, attribute), ...) it replaced
 
 
