@@ -53,13 +53,14 @@ from tensorflow.python.ops import collective_ops, summary_ops_v2
 from tensorflow.python.data.ops import multi_device_iterator_ops
 from tensorflow.python.saved_model import save as saved_model_save
 import keras.src.backend.tensorflow.random as keras_tf_random
+from keras.src.backend.tensorflow.trainer import TFEpochIterator
 
 tfdp.configure_cpu_replicas(2)
 
 # Every owner tfdp may patch: classes with their MROs, and modules.
 classes = [keras.optimizers.Optimizer, tf_optimizer_module.TFOptimizer,
            keras.optimizers.LossScaleOptimizer, keras.Model, tf.train.Checkpoint,
-           tf.train.CheckpointManager]
+           tf.train.CheckpointManager, TFEpochIterator]
 classes += [c for c in vars(keras.callbacks).values() if isinstance(c, type)]
 modules = [tf.summary, tf.saved_model, saving_lib, legacy_h5_format, file_utils,
            collective_ops, summary_ops_v2, saved_model_save, keras_tf_random,
@@ -171,7 +172,8 @@ def test_uninstall_leaves_keras_and_tensorflow_as_they_were_and_a_new_strategy_r
                              ("xla", "TensorFlowTrainer.make_train_function"),
                              ("loss_scale_saving", "LossScaleOptimizer.save_own_variables"),
                              ("collective_timing", "collective_ops.all_reduce_v2"),
-                             ("consensus", "CallbackList.on_epoch_end"), ("fit_input", "fit")):
+                             ("consensus", "CallbackList.on_epoch_end"), ("fit_input", "fit"),
+                             ("epoch_iterators", "EpochIterator._enumerate_iterator")):
         assert any(name.endswith(example) for name in features.get(feature, ())), (
             feature, features)
     listed = sorted(name for names in features.values() for name in names)
