@@ -6,7 +6,8 @@ mostly per-epoch work: under a tf.distribute strategy Keras makes a distributed 
 every epoch and every validation (a MultiDeviceIterator whose per-device functions TensorFlow
 traces anew each time), plus one after each epoch that the next one replaces and one per
 validation to read a batch for building the model. tfdp makes only the ones that are used
-(feature ``"epoch_iterators"``, docs/strategy.md). Reported: wall and CPU milliseconds per epoch
+(feature ``"epoch_iterators"``, docs/strategy.md; ``tfdp_keras_iterators`` is tfdp with those patches
+undone, as before). Reported: wall and CPU milliseconds per epoch
 (median over ``--epochs`` after a warm-up fit), the distributed iterators made per epoch, and
 the ratios to tfdp.
 
@@ -32,7 +33,9 @@ sys.path.insert(0, HERE)
 import report  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("configs", ["none", "mirrored", "tfdp"], "none, mirrored and/or tfdp.")
+flags.DEFINE_list("configs", ["none", "mirrored", "tfdp_keras_iterators", "tfdp"],
+                  "none, mirrored, tfdp_keras_iterators (tfdp with Keras's own iterator making, "
+                  "as before the epoch_iterators feature) and/or tfdp.")
 flags.DEFINE_list("replicas", ["2", "4"], "Logical CPU replica counts (none: one device).")
 flags.DEFINE_list("steps", ["10"], "Training steps per epoch.")
 flags.DEFINE_integer("epochs", 8, "Measured epochs per process (after a warm-up fit).")
@@ -59,7 +62,16 @@ def child():
     tfdp.configure_cpu_replicas(replicas)
     devices = [f"/device:CPU:{i}" for i in range(replicas)]
     strategy = {"none": lambda: None, "mirrored": lambda: tf.distribute.MirroredStrategy(devices),
-                "tfdp": lambda: tfdp.DataParallelStrategy(devices)}[config]()
+                "tfdp": lambda: tfdp.DataParallelStrategy(devices),
+                "tfdp_keras_iterators": lambda: tfdp.DataParallelStrategy(devices)}[config]()
+    if config == "tfdp_keras_iterators":  # the feature's patches undone: Keras's own methods
+        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer, TFEpochIterator
+        from keras.src.trainers.epoch_iterator import EpochIterator
+
+        for owner, name in ((EpochIterator, "_enumerate_iterator"),
+                            (TFEpochIterator, "_get_iterator"),
+                            (TensorFlowTrainer, "_maybe_symbolic_build")):
+            setattr(owner, name, getattr(owner, name).__wrapped__)
     made = []  # distributed iterators made (none without a strategy)
     iterate = input_lib.DistributedDataset.__iter__
     input_lib.DistributedDataset.__iter__ = lambda self: made.append(1) or iterate(self)
@@ -129,7 +141,8 @@ def main(argv):
                          r["cpu_ms_per_epoch"] for r in results), 1),
                      "iterators_per_epoch": results[-1]["iterators_per_epoch"]})
     tfdp_ms = {(r["replicas"], r["steps"]): r["ms_per_epoch"] for r in rows if r["config"] == "tfdp"}
-    lines = [f"Command: `python tools/bench_epoch_overhead.py {' '.join(sys.argv[1:])}`".rstrip(),
+    command = " ".join(["python tools/bench_epoch_overhead.py", *sys.argv[1:]])
+    lines = [f"Command: `{command}`",
              "", f"An epoch of an MLP (32-64-4) at a global batch of {GLOBAL_BATCH} with a 2-batch "
              f"validation, median over {FLAGS.epochs} epochs and {FLAGS.rounds} rounds; one "
              "process per configuration.", "",
@@ -146,11 +159,11 @@ def main(argv):
         report.write_text(FLAGS.out + ".md", text)
         report.write_csv(FLAGS.out + ".csv", rows)
         plt = report.pyplot()
-        fig, ax = plt.subplots(figsize=(6, 3.6))
-        labels = [f"{r['config']}\nx{r['replicas']}, {r['steps']} steps" for r in rows]
+        fig, ax = plt.subplots(figsize=(8, 3.8))
+        labels = [f"{r['config'].replace('_', ' ')}\nx{r['replicas']}" for r in rows]
         ax.bar(range(len(rows)), [r["ms_per_epoch"] for r in rows],
-               color=[{"none": "#999999", "mirrored": "#d62728", "tfdp": "#1f77b4"}[r["config"]]
-                      for r in rows])
+               color=[{"none": "#999999", "mirrored": "#d62728", "tfdp_keras_iterators": "#9ecae1",
+                       "tfdp": "#1f77b4"}[r["config"]] for r in rows])
         ax.set_xticks(range(len(rows)), labels, fontsize=7)
         ax.set_ylabel("ms per epoch (with validation)")
         ax.set_title("What an epoch costs beyond its steps")
