@@ -865,7 +865,8 @@ def test_fit_makes_one_distributed_iterator_per_epoch(monkeypatch, steps_per_epo
         made.clear()
         with strategy.scope():
             keras.utils.set_random_seed(3)
-            model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+            model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(4),
+                                      keras.layers.Dropout(0.25), keras.layers.Dense(1)])
             model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         model.fit(train, validation_data=val, epochs=3, steps_per_epoch=steps_per_epoch,
                   verbose=0)

@@ -197,7 +197,8 @@ def patch_keras_symbolic_build(applies) -> None:
 # short epoch. No public API controls when Keras makes iterators. Where the one made after the
 # last step is never used (no ``steps_per_epoch``), the patch gives Keras an empty placeholder
 # instead; with ``steps_per_epoch`` Keras uses that iterator for the next epoch, and nothing
-# changes. ``applies(epoch_iterator)`` limits it to tfdp's strategies.
+# changes. ``applies(epoch_iterator)`` limits it to tfdp's strategies. (A reshuffling
+# ``shuffle`` draws one order per iterator made, so its later epochs now come one draw earlier.)
 _UNUSED_NEXT = "_tfdp_next_iterator_unused"
 
 
