@@ -16,6 +16,8 @@ about either. Rules (a pytest plugin, loaded by tests/conftest.py):
 * **Probe.** A test still running ``PROBE_EVERY_S`` after it started, and every
   ``PROBE_EVERY_S`` after that, has its main thread's innermost frames and the process's CPU
   seconds so far written to the record: where a test that is slow only in the suite waits.
+  A probe that finds the process stalled (no CPU since the last probe and no child process)
+  also writes every thread's stack and its kernel wait channel, and the host's pressure.
 * **Watchdog.** A test still running at 80% of its pytest-timeout limit has every thread's
   stack written to the record, then its worker's processes killed (its own process tree and
   every tagged process): what waited on them fails with its own error, and the worker lives
@@ -52,6 +54,7 @@ WATCHDOG_FRACTION = 0.8
 STUCK_AFTER_LIMIT_S = float(os.environ.get("TFDP_TEST_STUCK_AFTER_S", "60"))
 STUCK_POLL_S = float(os.environ.get("TFDP_TEST_STUCK_POLL_S", "15"))
 PROBE_EVERY_S = float(os.environ.get("TFDP_TEST_PROBE_EVERY_S", "15"))
+STALLED_CPU_S = 0.3  # a probe interval with less CPU than this, and no child running: stalled
 LOUD_AFTER_S = float(os.environ.get("TFDP_TEST_LOUD_AFTER_S", "150"))
 _RECORD_TAIL = 8000
 
@@ -88,6 +91,32 @@ def kill_all(pids, spare=()) -> list[str]:
             continue
         lines.append(f"  killed {pid}: {name}")
     return lines
+
+
+def _kernel_waits() -> str:
+    """Each thread of this process: its name, state (R, S, D) and kernel wait channel, then the
+    host's CPU, I/O and memory pressure (a process that stalls on the disk or on memory waits in
+    the kernel; on a lock of its own, in a futex)."""
+    lines = []
+    for tid in sorted(os.listdir("/proc/self/task"), key=int):
+        base = f"/proc/self/task/{tid}"
+        try:
+            with open(f"{base}/stat") as f:
+                stat = f.read()
+            with open(f"{base}/wchan") as f:
+                wchan = f.read().strip() or "-"
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        state = stat[stat.rindex(")") + 2]
+        lines.append(f"  {tid} {name!r} {state} {wchan}")
+    for kind in ("cpu", "io", "memory"):
+        try:
+            with open(f"/proc/pressure/{kind}") as f:
+                lines.append(f"  pressure {kind}: " + " | ".join(f.read().split("\n")[:2]))
+        except OSError:
+            pass
+    return "\n".join(lines)
 
 
 def _cpu_seconds() -> float:
@@ -144,22 +173,31 @@ class _WorkerRecord:
             self.probe.cancel()
             self.probe = None
 
-    def _probe_later(self, nodeid, ident, began, cpu_began):
+    def _probe_later(self, nodeid, ident, began, cpu_began, cpu_last=None):
         self.probe = threading.Timer(PROBE_EVERY_S, self._probe,
-                                     args=(nodeid, ident, began, cpu_began))
+                                     args=(nodeid, ident, began, cpu_began,
+                                           cpu_began if cpu_last is None else cpu_last))
         self.probe.daemon = True
         self.probe.start()
 
-    def _probe(self, nodeid, ident, began, cpu_began):
+    def _probe(self, nodeid, ident, began, cpu_began, cpu_last):
         if self.current != nodeid:  # ended meanwhile
             return
         frame = sys._current_frames().get(ident)
         stack = traceback.format_stack(frame)[-12:] if frame is not None else []
+        cpu_now = _cpu_seconds()
         self.write(f"probe: {nodeid} {time.monotonic() - began:.0f} s in, this process's CPU "
-                   f"{_cpu_seconds() - cpu_began:.1f} s; its main thread, innermost last:\n"
+                   f"{cpu_now - cpu_began:.1f} s; its main thread, innermost last:\n"
                    + "".join(stack).rstrip())
+        if cpu_now - cpu_last < STALLED_CPU_S and not descendants(os.getpid()):
+            # No CPU and no child to wait for: the process is stalled. What every thread
+            # waits on, in Python and in the kernel, says on what.
+            self.write("stalled: every thread's Python stack, then each thread's kernel state:")
+            faulthandler.dump_traceback(file=self.file, all_threads=True)
+            self.file.flush()
+            self.write(_kernel_waits())
         if self.current == nodeid:
-            self._probe_later(nodeid, ident, began, cpu_began)
+            self._probe_later(nodeid, ident, began, cpu_began, cpu_now)
 
     def _watchdog(self, nodeid, after):
         self.write(f"watchdog: {nodeid} still running after {after:.0f} s; every thread's stack:")
