@@ -4,8 +4,8 @@ and ends, and the share of the exchange hidden behind compute (issue 43).
 
 Two workers on 127.0.0.1 (``tfdp-run --workers 2``, one CPU replica each, each pinned to
 its own core with ``--pin``) train ``--model`` with Keras ``fit`` and SGD; after
-``--warmup`` steps each worker records ``--steps`` steps with
-``tf.profiler.experimental.start``/``stop`` into ``--logdir/worker<i>`` (TensorBoard's
+``--warmup`` steps the chief records ``--steps`` steps with
+``tf.profiler.experimental.start``/``stop`` into ``--logdir/worker0`` (TensorBoard's
 profile plugin shows it: ``tensorboard --logdir LOGDIR``). The trace is then read here,
 offline, from the ``.xplane.pb`` the profiler writes (TensorFlow's XSpace protocol buffer;
 no TensorBoard plugin needed), and printed per step of the chief:
@@ -115,12 +115,16 @@ def worker():
                 print(f"worker {rank}: profiling steps {batch}..{steps - 1}", flush=True)
                 tf.profiler.experimental.start(logdir)
 
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == steps - 1:
-                tf.profiler.experimental.stop()
-                print(f"worker {rank}: trace written under {logdir}", flush=True)
-
-    model.fit(train, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[Profile()])
+    # Only the chief's trace is read, so only the chief profiles. It stops once fit has
+    # returned: stopping from a step's callback, with the input pipeline's threads still
+    # running, once aborted a worker inside TensorFlow's profiler ("double free or corruption"
+    # in profiler_v2.stop, a CI run of 2026-11-27).
+    model.fit(train, epochs=1, steps_per_epoch=steps, verbose=0,
+              callbacks=[Profile()] if rank == 0 else [])
+    if rank == 0:
+        tf.profiler.experimental.stop()
+        print(f"worker {rank}: trace written under {logdir}", flush=True)
+    os.makedirs(logdir, exist_ok=True)
     with open(os.path.join(logdir, "variables.json"), "w") as f:
         json.dump({"variables": layers,
                    "sizes": [int(np.prod(v.shape)) for v in model.trainable_variables]}, f)
