@@ -322,6 +322,30 @@ def test_worker_that_never_joins_is_restarted(tmp_path):
     assert "[w1] fake worker slot 1 rank 1 attempt 0: never-join\n" in out, out
 
 
+def test_a_failed_start_gives_peers_waiting_to_join_the_short_grace(tmp_path):
+    # Worker 1 fails before joining; worker 0 waits for it in the strategy constructor, where
+    # SIGTERM does not end it. Nobody has trained, so the full grace period (600 s here)
+    # would only be lost: worker 0 is SIGKILLed after NEVER_JOINED_GRACE_SECONDS.
+    code, out = launch_fake(tmp_path, {"1@0": "crash:3", "0@0": "wait-for-peers"},
+                            "--grace-period", "600")
+    assert code == 3, out
+    assert ("worker(s) [0] still running after the grace period "
+            f"({run.NEVER_JOINED_GRACE_SECONDS:g} s); sending SIGKILL") in out, out
+    assert (tmp_path / "SIGTERM-s0-a0").exists()  # it got SIGTERM first, and ignored it
+
+
+def test_guard_a_peer_that_joined_gets_the_whole_grace_period(tmp_path):
+    # The same failure after worker 0 has joined and trained: it may be backing up, so it
+    # gets all of --grace-period (longer than the short grace, to tell them apart).
+    grace = run.NEVER_JOINED_GRACE_SECONDS + 1
+    job = Running(tmp_path, {"1@0": "exit:3", "0@0": "ignore-term"}, "--grace-period",
+                  f"{grace:g}")
+    job.wait_for_files("stepped-s0-a0")
+    code, out = job.finish()
+    assert code == 3, out
+    assert f"worker(s) [0] still running after the grace period ({grace:g} s)" in out, out
+
+
 def test_sigterm_to_the_launcher_is_forwarded_and_not_restarted(tmp_path):
     job = Running(tmp_path, {"*@*": "block"}, "--max-restarts", "2")
     job.wait_for_files("stepped-s0-a0", "stepped-s1-a0")

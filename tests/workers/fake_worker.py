@@ -13,6 +13,8 @@ wildcard (lookup order: "s@a", "s@*", "*@a", "*@*"; default "ok"):
     kill                join, barrier, progress, SIGKILL itself
     crash:N             exit N at once, before joining ("fails at every start")
     never-join          never write the ready file; wait for a signal
+    wait-for-peers      start joining (the ".joining" file), never join, ignore SIGTERM: a
+                        worker waiting for its peers in the strategy constructor
     block               join, barrier, progress, wait for a signal
     ignore-term         like block, but SIGTERM is only recorded, not obeyed
     evict:R             join, barrier, progress; the chief writes evict.json naming rank R;
@@ -118,7 +120,7 @@ def wait_for_signals():
 
 def main():
     what = action()
-    if what == "ignore-term":
+    if what in ("ignore-term", "wait-for-peers"):
         signal.signal(signal.SIGTERM, lambda signum, frame: record_signal("SIGTERM"))
     else:
         signal.signal(signal.SIGTERM, on_term)
@@ -136,6 +138,10 @@ def main():
     if name == "crash":
         sys.exit(int(arg))
     if name == "never-join":
+        wait_for_signals()
+    if name == "wait-for-peers":
+        with open(os.environ[READY_FILE_ENV] + ".joining", "w"):
+            pass
         wait_for_signals()
     if name == "sleep-exit":
         join()

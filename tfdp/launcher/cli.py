@@ -24,7 +24,10 @@ Failure handling (the restart and membership rules are in :mod:`tfdp.launcher.po
 
 * the first worker observed to exit non-zero is the failure; the others are stopped (those
   that exited 143 or 75 were stopping together, so the others first get ``--grace-period`` to
-  finish by themselves; then SIGTERM, and SIGKILL after ``--grace-period``);
+  finish by themselves; then SIGTERM, and SIGKILL after ``--grace-period``, or after
+  ``NEVER_JOINED_GRACE_SECONDS`` when none of the others has joined the cluster: they have
+  not trained, and those waiting for the failed worker in the strategy constructor ignore
+  SIGTERM);
 * a worker that has not joined the cluster within ``--start-timeout`` seconds of its
   attempt's start (the strategy writes a ready file when it has) is a failure too:
   TensorFlow's strategy constructor would otherwise wait for it forever. No worker has
@@ -256,6 +259,11 @@ class Launcher:
         together = code in (EXIT_PREEMPTED, self.restart_code)
         if not together:
             self._report_failure(attempt, rank)
+            if not any(attempt.joined(r) for r in attempt.running()):
+                # Nobody left has joined the cluster: nobody has trained or has anything to
+                # back up, and those waiting for the failed worker inside the strategy
+                # constructor do not die of SIGTERM (as in _never_joined).
+                grace = min(grace, NEVER_JOINED_GRACE_SECONDS)
         phases = [(None, grace)] if together else []
         return (restart_policy.WorkerExited(rank, code, progressed),
                 phases + [(signal.SIGTERM, grace)])
