@@ -123,21 +123,12 @@ class Slurm:
             self.wait(held, "rank 0 to hold before the signal", timeout=RUN_TIMEOUT)
             code, out = self.run("scancel", *scancel_args, str(job), timeout=30)
             assert code == 0, out
-            self.wait(lambda: self._ended_releasing_requeued(job), "the requeued job to finish",
+            self.wait(lambda: self.job_state(job)[0] not in ACTIVE, "the requeued job to finish",
                       timeout=RUN_TIMEOUT)
         finally:
             if self.job_state(job)[0] in ACTIVE:
                 self.run("scancel", str(job), timeout=30)
         return self.job_state(job)
-
-    def _ended_releasing_requeued(self, job) -> bool:
-        """Whether ``job`` has ended. Slurm holds a requeued job for about 6 s (PENDING,
-        Reason=BeginTime: the EligibleTime it sets at the requeue); nothing the tests check
-        depends on that wait, so a held job is made eligible now, as an admin would."""
-        state, fields = self.job_state(job)
-        if state == "PENDING" and fields.get("Reason") == "BeginTime":
-            self.run("scontrol", "update", f"JobId={job}", "StartTime=now", timeout=30)
-        return state not in ACTIVE
 
     def pids(self):
         files = [self.dir / "slurmctld.pid"] + [self.dir / f"slurmd-{n}.pid" for n in NODES]
