@@ -326,7 +326,7 @@ def test_a_failed_start_gives_peers_waiting_to_join_the_short_grace(tmp_path):
     # Worker 1 fails before joining; worker 0 waits for it in the strategy constructor, where
     # SIGTERM does not end it. Nobody has trained, so the full grace period (600 s here)
     # would only be lost: worker 0 is SIGKILLed after NEVER_JOINED_GRACE_SECONDS.
-    code, out = launch_fake(tmp_path, {"1@0": "crash:3", "0@0": "wait-for-peers"},
+    code, out = launch_fake(tmp_path, {"1@0": "crash-when-waited:3", "0@0": "wait-for-peers"},
                             "--grace-period", "600")
     assert code == 3, out
     assert ("worker(s) [0] still running after the grace period "

@@ -15,6 +15,7 @@ wildcard (lookup order: "s@a", "s@*", "*@a", "*@*"; default "ok"):
     never-join          never write the ready file; wait for a signal
     wait-for-peers      start joining (the ".joining" file), never join, ignore SIGTERM: a
                         worker waiting for its peers in the strategy constructor
+    crash-when-waited:N exit N before joining, once every other rank waits for its peers
     block               join, barrier, progress, wait for a signal
     ignore-term         like block, but SIGTERM is only recorded, not obeyed
     evict:R             join, barrier, progress; the chief writes evict.json naming rank R;
@@ -89,6 +90,10 @@ def joined_file(rank):
     return os.path.join(OUT, f"joined-a{ATTEMPT}-r{rank}")
 
 
+def waiting_file(rank):
+    return os.path.join(OUT, f"waiting-a{ATTEMPT}-r{rank}")
+
+
 def join():
     with open(os.environ[READY_FILE_ENV] + ".joining", "w"):
         pass
@@ -142,7 +147,13 @@ def main():
     if name == "wait-for-peers":
         with open(os.environ[READY_FILE_ENV] + ".joining", "w"):
             pass
+        write_atomically(waiting_file(RANK), "")
         wait_for_signals()
+    if name == "crash-when-waited":
+        others = [waiting_file(r) for r in range(NUM_WORKERS) if r != RANK]
+        while not all(os.path.exists(p) for p in others):
+            time.sleep(0.005)  # polling a file; FAKE_LIFETIME's SIGALRM bounds it
+        sys.exit(int(arg))
     if name == "sleep-exit":
         join()
         seconds, _, code = arg.partition(":")
