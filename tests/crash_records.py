@@ -17,7 +17,9 @@ about either. Rules (a pytest plugin, loaded by tests/conftest.py):
   ``PROBE_EVERY_S`` after that, has its main thread's innermost frames and the process's CPU
   seconds so far written to the record: where a test that is slow only in the suite waits.
   A probe that finds the process stalled (no CPU since the last probe and no child process)
-  also writes every thread's stack and its kernel wait channel, and the host's pressure.
+  also writes every thread's stack and its kernel wait channel, and the host's pressure, and
+  when a garbage collection is under way, every thread's native stack (py-spy): which
+  finalizer it waits in. A collection that took 5 s or more is recorded when it ends.
 * **Watchdog.** A test still running at 80% of its pytest-timeout limit has every thread's
   stack written to the record, then its worker's processes killed (its own process tree and
   every tagged process): what waited on them fails with its own error, and the worker lives
@@ -35,9 +37,11 @@ about either. Rules (a pytest plugin, loaded by tests/conftest.py):
 from __future__ import annotations
 
 import faulthandler
+import gc
 import logging
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -54,6 +58,7 @@ WATCHDOG_FRACTION = 0.8
 STUCK_AFTER_LIMIT_S = float(os.environ.get("TFDP_TEST_STUCK_AFTER_S", "60"))
 STUCK_POLL_S = float(os.environ.get("TFDP_TEST_STUCK_POLL_S", "15"))
 PROBE_EVERY_S = float(os.environ.get("TFDP_TEST_PROBE_EVERY_S", "15"))
+GC_SLOW_S = 5.0  # a garbage collection this long is recorded
 STALLED_CPU_S = 0.3  # a probe interval with less CPU than this, and no child running: stalled
 LOUD_AFTER_S = float(os.environ.get("TFDP_TEST_LOUD_AFTER_S", "150"))
 _RECORD_TAIL = 8000
@@ -119,6 +124,19 @@ def _kernel_waits() -> str:
     return "\n".join(lines)
 
 
+def _native_stacks() -> str:
+    """This process's threads with their native frames (py-spy, a test dependency)."""
+    spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if not os.path.exists(spy):
+        return "  (py-spy is not installed)"
+    try:
+        dump = subprocess.run([spy, "dump", "--native", "--pid", str(os.getpid())],
+                              capture_output=True, text=True, timeout=60)
+        return dump.stdout or dump.stderr
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"  (py-spy failed: {e})"
+
+
 def _cpu_seconds() -> float:
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
@@ -143,6 +161,8 @@ class _WorkerRecord:
         self.timer = None
         self.probe = None
         self.current = None  # the running test's node id
+        self.gc_started = None  # (monotonic time, thread) of a collection in progress
+        gc.callbacks.append(self._time_gc)
 
     def write(self, text: str):
         self.file.write(f"[{time.strftime('%H:%M:%S')}] {text}\n")
@@ -196,8 +216,28 @@ class _WorkerRecord:
             faulthandler.dump_traceback(file=self.file, all_threads=True)
             self.file.flush()
             self.write(_kernel_waits())
+            collecting = self.gc_started
+            if collecting is not None:
+                self.write(f"a garbage collection started {time.monotonic() - collecting[0]:.0f}"
+                           f" s ago in thread {collecting[1]:#x} is still running; its native "
+                           "stack names the finalizer it waits in:\n" + _native_stacks())
         if self.current == nodeid:
             self._probe_later(nodeid, ident, began, cpu_began, cpu_now)
+
+    def _time_gc(self, phase, info):
+        """gc.callbacks: a collection that takes GC_SLOW_S or more is recorded (a finalizer
+        that waits holds the collection, and whatever triggered it, that long)."""
+        if phase == "start":
+            self.gc_started = (time.monotonic(), threading.get_ident())
+            return
+        if self.gc_started is None:
+            return
+        began, thread = self.gc_started
+        self.gc_started = None
+        took = time.monotonic() - began
+        if took >= GC_SLOW_S:
+            self.write(f"gc: a collection of generation {info.get('generation')} in thread "
+                       f"{thread:#x} took {took:.1f} s ({self.current})")
 
     def _watchdog(self, nodeid, after):
         self.write(f"watchdog: {nodeid} still running after {after:.0f} s; every thread's stack:")
