@@ -252,6 +252,8 @@ class _WorkerRecord:
         return kill_all(dict.fromkeys(pids), spare=(os.getpid(),))
 
     def close(self):
+        if self._time_gc in gc.callbacks:
+            gc.callbacks.remove(self._time_gc)
         # Whatever a test started and left running outlives the run otherwise.
         lines = self._kill_processes()
         if lines:

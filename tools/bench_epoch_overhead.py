@@ -65,13 +65,10 @@ def child():
                 "tfdp": lambda: tfdp.DataParallelStrategy(devices),
                 "tfdp_keras_iterators": lambda: tfdp.DataParallelStrategy(devices)}[config]()
     if config == "tfdp_keras_iterators":  # the feature's patches undone: Keras's own methods
-        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer, TFEpochIterator
-        from keras.src.trainers.epoch_iterator import EpochIterator
+        from tfdp.strategy import keras_integration
 
-        for owner, name in ((EpochIterator, "_enumerate_iterator"),
-                            (TFEpochIterator, "_get_iterator"),
-                            (TensorFlowTrainer, "_maybe_symbolic_build")):
-            setattr(owner, name, getattr(owner, name).__wrapped__)
+        for owner, name in keras_integration.installed_features()["epoch_iterators"]:
+            setattr(owner, name, getattr(owner, name).__wrapped__)  # tfdp's patches keep it
     made = []  # distributed iterators made (none without a strategy)
     iterate = input_lib.DistributedDataset.__iter__
     input_lib.DistributedDataset.__iter__ = lambda self: made.append(1) or iterate(self)

@@ -94,9 +94,14 @@ def waiting_file(rank):
     return os.path.join(OUT, f"waiting-a{ATTEMPT}-r{rank}")
 
 
-def join():
+def start_joining():
+    """What the strategy constructor writes first: this worker is waiting for its peers."""
     with open(os.environ[READY_FILE_ENV] + ".joining", "w"):
         pass
+
+
+def join():
+    start_joining()
     with open(os.environ[READY_FILE_ENV], "w"):
         pass
     with open(joined_file(RANK), "w"):
@@ -145,8 +150,7 @@ def main():
     if name == "never-join":
         wait_for_signals()
     if name == "wait-for-peers":
-        with open(os.environ[READY_FILE_ENV] + ".joining", "w"):
-            pass
+        start_joining()
         write_atomically(waiting_file(RANK), "")
         wait_for_signals()
     if name == "crash-when-waited":
