@@ -24,9 +24,13 @@ about either. Rules (a pytest plugin, loaded by tests/conftest.py):
   stack written to the record, then its worker's processes killed (its own process tree and
   every tagged process): what waited on them fails with its own error, and the worker lives
   on, where pytest-timeout would end the worker with ``os._exit``.
+* **Starved.** A test whose worker wrote no probe for two probe intervals has a thread holding
+  the GIL (no Python thread of it can run, the probe's included): the controller reads that
+  worker from outside, once, while it is still stuck (CPU, each thread's kernel wait, every
+  thread's native and Python stack, py-spy) and writes it to the record.
 * **Stuck.** A test still running a minute past its limit means pytest-timeout's thread never
-  ran (C code holding the GIL): the controller SIGKILLs that worker, which xdist then reports
-  and replaces as below.
+  ran (C code holding the GIL): the controller reads the worker from outside again, then
+  SIGKILLs it, which xdist then reports and replaces as below.
 * **Crash.** When a worker dies the controller prints, at once, the end of that worker's record
   (and puts it in the test's report), and SIGKILLs every process still carrying its tag:
   orphans of a dead worker would otherwise take CPU from the rest of the run.
@@ -60,6 +64,7 @@ STUCK_POLL_S = float(os.environ.get("TFDP_TEST_STUCK_POLL_S", "15"))
 PROBE_EVERY_S = float(os.environ.get("TFDP_TEST_PROBE_EVERY_S", "15"))
 GC_SLOW_S = 5.0  # a garbage collection this long is recorded
 STALLED_CPU_S = 0.3  # a probe interval with less CPU than this, and no child running: stalled
+STARVED_AFTER_PROBES = 2  # no probe line after this many probe intervals: the GIL is held
 LOUD_AFTER_S = float(os.environ.get("TFDP_TEST_LOUD_AFTER_S", "150"))
 _RECORD_TAIL = 8000
 
@@ -124,17 +129,65 @@ def _kernel_waits() -> str:
     return "\n".join(lines)
 
 
-def _native_stacks() -> str:
-    """This process's threads with their native frames (py-spy, a test dependency)."""
+def _native_stacks(pid: int | None = None) -> str:
+    """The threads of ``pid`` (this process by default) with their native frames (py-spy, a
+    test dependency; it reads the process from outside, so it needs no GIL there)."""
     spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
     if not os.path.exists(spy):
         return "  (py-spy is not installed)"
     try:
-        dump = subprocess.run([spy, "dump", "--native", "--pid", str(os.getpid())],
+        dump = subprocess.run([spy, "dump", "--native", "--pid", str(pid or os.getpid())],
                               capture_output=True, text=True, timeout=60)
         return dump.stdout or dump.stderr
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"  (py-spy failed: {e})"
+
+
+def _thread_stack(dump: str, name: str) -> str:
+    """The stack of the thread called ``name`` in a py-spy dump ("" when it has none)."""
+    lines, keep = [], False
+    for line in dump.splitlines():
+        if line.startswith("Thread "):
+            keep = line.endswith(f'"{name}"')
+        if keep:
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(") ", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def outside_dump(pid: int) -> str:
+    """What a process that cannot report on itself (a thread holds the GIL, so none of its
+    Python threads runs) is doing, read from outside: whether it burns CPU, each thread's
+    kernel state, and every thread's native and Python stack; its main thread's stack again
+    last, where the tail of a record shows it."""
+    before = _cpu_ticks(pid)
+    time.sleep(1.0)  # a CPU sample over a second: spinning, or blocked
+    after = _cpu_ticks(pid)
+    busy = "?" if None in (before, after) else f"{(after - before) / os.sysconf('SC_CLK_TCK'):.2f}"
+    states = []
+    for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int) if os.path.isdir(
+            f"/proc/{pid}/task") else []:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/task/{tid}/wchan") as f:
+                wchan = f.read().strip() or "-"
+        except OSError:
+            continue
+        states.append(f"{stat[stat.rindex(')') + 2]}:{wchan}")
+    counts = {s: states.count(s) for s in dict.fromkeys(states)}
+    dump = _native_stacks(pid)
+    return (f"  CPU seconds in the last second: {busy}; its {len(states)} threads by state and "
+            f"kernel wait: {counts}\n{dump}\n  its main thread again:\n"
+            f"{_thread_stack(dump, 'MainThread')}")
 
 
 def _cpu_seconds() -> float:
@@ -144,12 +197,33 @@ def _cpu_seconds() -> float:
 
 # --- the worker's side --------------------------------------------------------------------------
 
+class _Appender:
+    """A record file written with one ``os.write`` per call: no lock of Python's buffered I/O,
+    which a thread stuck mid-write (say, in a garbage collection its allocation started) would
+    hold against the probe and the watchdog."""
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, text: str) -> int:
+        return os.write(self.fd, text.encode(errors="replace"))
+
+    def flush(self):
+        pass
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def close(self):
+        os.close(self.fd)
+
+
 class _WorkerRecord:
     def __init__(self, config):
         run, worker = config.workerinput["testrunuid"], config.workerinput["workerid"]
         self.tag = f"{run}-{worker}"
         os.environ[TAG_ENV] = self.tag
-        self.file = open(record_path(worker), "a", buffering=1)
+        self.file = _Appender(record_path(worker))
         self.write(f"worker {worker}, pid {os.getpid()}, started {_start_time(os.getpid())}")
         # A fatal signal (SIGSEGV, SIGABRT, ...) dumps every thread here, not to a lost stderr.
         faulthandler.enable(file=self.file, all_threads=True)
@@ -346,12 +420,24 @@ class _StuckWatch:
             return
         limit, began = starts[-1].rsplit("(limit ", 1)[1].rstrip(")").split(" s, at ")
         limit, began = float(limit), float(began)
-        if limit > 0 and time.time() - began > limit + STUCK_AFTER_LIMIT_S:
+        ran = time.time() - began
+        since = lines[lines.index(starts[-1]) + 1:]
+        if (PROBE_EVERY_S > 0 and ran > STARVED_AFTER_PROBES * PROBE_EVERY_S + self.every_s
+                and not any("] probe: " in line or "] controller: " in line for line in since)):
+            # The worker's probe thread, due every PROBE_EVERY_S, has not run: something holds
+            # the GIL. Read the worker from outside while it is still stuck.
+            with open(path, "a") as f:
+                f.write(f"[{time.strftime('%H:%M:%S')}] controller: no probe from the worker "
+                        f"{ran:.0f} s into its test (one is due every {PROBE_EVERY_S:.0f} s): "
+                        f"a thread holds the GIL; the worker, pid {pid}, from outside:\n"
+                        f"{outside_dump(pid)}\n")
+        if limit > 0 and ran > limit + STUCK_AFTER_LIMIT_S:
             with open(path, "a") as f:
                 f.write(f"[{time.strftime('%H:%M:%S')}] controller: the test ran "
-                        f"{time.time() - began:.0f} s, past its limit of {limit:.0f} s with no "
-                        f"timeout (its thread never ran: C code holding the GIL?); SIGKILL to "
-                        f"the worker, pid {pid}\n")
+                        f"{ran:.0f} s, past its limit of {limit:.0f} s with no "
+                        f"timeout (its thread never ran: C code holding the GIL?); the worker, "
+                        f"pid {pid}, from outside:\n{outside_dump(pid)}\n"
+                        f"SIGKILL to the worker, pid {pid}\n")
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:

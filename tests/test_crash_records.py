@@ -48,7 +48,7 @@ def _session(tmp_path, plugin=True, tests=DYING):
     (tmp_path / "t" / "test_dying.py").write_text(tests)
     (tmp_path / "t" / "pytest.ini").write_text("[pytest]\ntimeout = 60\ntimeout_method = thread\n")
     env = dict(os.environ, PYTHONPATH=TESTS, TMPDIR=str(tmp_path), TFDP_TEST_STUCK_AFTER_S="2",
-               TFDP_TEST_STUCK_POLL_S="1")
+               TFDP_TEST_STUCK_POLL_S="1", TFDP_TEST_PROBE_EVERY_S="1")
     env.pop("TFDP_TEST_WORKER", None)
     cmd = [sys.executable, "-m", "pytest", "-n", "2", "-p", "no:cacheprovider",
            "--basetemp", str(tmp_path / "base"), str(tmp_path / "t")]
@@ -91,3 +91,10 @@ def test_a_worker_stuck_in_c_past_its_limit_is_killed_by_the_controller(tmp_path
     out, _ = _session(tmp_path, tests=STUCK)
     assert "crashed while running 'test_dying.py::test_stuck_in_c_holding_the_gil'" in out, out
     assert "past its limit of 3 s with no timeout" in out, out[-4000:]
+    # Read from outside while stuck (no probe for two intervals), and again before the kill:
+    # the main thread's native stack names the C call and the test that made it.
+    record = "".join(open(p).read() for p in glob.glob(str(tmp_path / "tfdp-tests-*" / "*.log")))
+    assert "controller: no probe from the worker" in record, record[-4000:]
+    assert record.count("its main thread again:") == 2, record[-4000:]
+    main = record.rsplit("its main thread again:", 1)[1]
+    assert "sleep (libc" in main and "test_stuck_in_c_holding_the_gil" in main, main

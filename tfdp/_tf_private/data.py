@@ -34,7 +34,9 @@ from tensorflow.python.data.util import structure as _data_structure
 # passes, and destroying the iterator (the end of every ``fit`` epoch) waits for that thread:
 # it is woken by the cancellation but can check for it before the cancellation is marked
 # done, and go back to sleep (measured: fit returned 25-88 s after its last step, under tfdp
-# and MirroredStrategy alike; issue 41's examples, issue 44's slow tests).
+# and MirroredStrategy alike; issue 41's examples, issue 44's slow tests). The source pipeline
+# has the same thread; tfdp's strategy turns it off there through the public options
+# (tfdp/strategy/source_pipeline.py).
 from tensorflow.python.data.ops import multi_device_iterator_ops as _multi_device_iterator_ops
 
 

@@ -26,7 +26,9 @@ many workers from ``TF_CONFIG``. What tfdp adds on top:
   before the first collective: ``"auto"`` then uses ring collectives, ``"nccl"`` is an error
   (``devices.shared_gpu``);
 * workers of a multi-worker job leave together, and SIGTERM keeps the meaning the script
-  gave it (``lifecycle``: the worker's side of the launcher protocol).
+  gave it (``lifecycle``: the worker's side of the launcher protocol);
+* the datasets it distributes run without tf.data's autotune model unless their options set
+  it, so that destroying an epoch's iterator does not wait up to 60 s (``source_pipeline``).
 
 Building one does, in order: resolve and check the arguments (``options.resolve_options``,
 pure: a bad argument fails before anything changes), find the cluster and the local devices,
@@ -46,7 +48,7 @@ import tensorflow as tf
 from tfdp import _tf_private, said_once
 from tfdp.cluster import ClusterConfig
 from tfdp.strategy import (collectives, deadline, keras_integration, lifecycle, randomness,
-                           riders, sharded_parameters, sharded_units)
+                           riders, sharded_parameters, sharded_units, source_pipeline)
 from tfdp.strategy import devices as devices_lib
 from tfdp.strategy.options import (DEFAULT_BUCKET_BYTES, DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS,
                                    check_compression, describe_shared_gpu, jit_compile_error,
@@ -395,10 +397,22 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         """``tf.distribute.Strategy.experimental_distribute_dataset`` (what Keras's ``fit``
         calls for a ``tf.data.Dataset``), telling the random draws that TensorFlow deals the
         per-replica batches to the workers one by one, so that each replica draws one
-        device's numbers for the rows it holds (``randomness.deal_rows``)."""
-        distributed = super().experimental_distribute_dataset(dataset, options)
+        device's numbers for the rows it holds (``randomness.deal_rows``). The dataset runs
+        without tf.data's autotune model unless its options set it (``source_pipeline``:
+        destroying an autotuned iterator can wait up to 60 s)."""
+        distributed = super().experimental_distribute_dataset(
+            source_pipeline.without_autotune_model(dataset), options)
         randomness.deal_rows(self, self.cluster.num_workers, unit="batch")
         return distributed
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """``tf.distribute.Strategy.distribute_datasets_from_function``; each pipeline
+        ``dataset_fn`` returns runs without tf.data's autotune model unless its options set
+        it (``source_pipeline``: destroying an autotuned iterator can wait up to 60 s)."""
+        def without_autotune_model(input_context):
+            return source_pipeline.without_autotune_model(dataset_fn(input_context))
+
+        return super().distribute_datasets_from_function(without_autotune_model, options)
 
     # --- Keras-3 compatibility -------------------------------------------------------
     def reduce(self, reduce_op, value, axis=None):
