@@ -422,6 +422,8 @@ class _StuckWatch:
         limit, began = float(limit), float(began)
         ran = time.time() - began
         since = lines[lines.index(starts[-1]) + 1:]
+        if any("] controller: the test ran " in line for line in since):
+            return  # killed already: a zombie keeps its pid and start time until it is reaped
         if (PROBE_EVERY_S > 0 and ran > STARVED_AFTER_PROBES * PROBE_EVERY_S + self.every_s
                 and not any("] probe: " in line or "] controller: " in line for line in since)):
             # The worker's probe thread, due every PROBE_EVERY_S, has not run: something holds
