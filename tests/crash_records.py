@@ -103,23 +103,31 @@ def kill_all(pids, spare=()) -> list[str]:
     return lines
 
 
+def _threads(pid: int | str = "self") -> list[tuple[str, str, str, str]]:
+    """(tid, name, state R/S/D, kernel wait channel) of each thread of ``pid``."""
+    try:
+        tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
+    except OSError:
+        return []
+    threads = []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/task/{tid}/wchan") as f:
+                wchan = f.read().strip() or "-"
+        except OSError:
+            continue
+        threads.append((tid, stat[stat.index("(") + 1:stat.rindex(")")],
+                        stat[stat.rindex(")") + 2], wchan))
+    return threads
+
+
 def _kernel_waits() -> str:
     """Each thread of this process: its name, state (R, S, D) and kernel wait channel, then the
     host's CPU, I/O and memory pressure (a process that stalls on the disk or on memory waits in
     the kernel; on a lock of its own, in a futex)."""
-    lines = []
-    for tid in sorted(os.listdir("/proc/self/task"), key=int):
-        base = f"/proc/self/task/{tid}"
-        try:
-            with open(f"{base}/stat") as f:
-                stat = f.read()
-            with open(f"{base}/wchan") as f:
-                wchan = f.read().strip() or "-"
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        state = stat[stat.rindex(")") + 2]
-        lines.append(f"  {tid} {name!r} {state} {wchan}")
+    lines = [f"  {tid} {name!r} {state} {wchan}" for tid, name, state, wchan in _threads()]
     for kind in ("cpu", "io", "memory"):
         try:
             with open(f"/proc/pressure/{kind}") as f:
@@ -172,17 +180,7 @@ def outside_dump(pid: int) -> str:
     time.sleep(1.0)  # a CPU sample over a second: spinning, or blocked
     after = _cpu_ticks(pid)
     busy = "?" if None in (before, after) else f"{(after - before) / os.sysconf('SC_CLK_TCK'):.2f}"
-    states = []
-    for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int) if os.path.isdir(
-            f"/proc/{pid}/task") else []:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{pid}/task/{tid}/wchan") as f:
-                wchan = f.read().strip() or "-"
-        except OSError:
-            continue
-        states.append(f"{stat[stat.rindex(')') + 2]}:{wchan}")
+    states = [f"{state}:{wchan}" for _, _, state, wchan in _threads(pid)]
     counts = {s: states.count(s) for s in dict.fromkeys(states)}
     dump = _native_stacks(pid)
     return (f"  CPU seconds in the last second: {busy}; its {len(states)} threads by state and "
