@@ -72,6 +72,10 @@ for cls in classes:
             owners[id(klass)] = klass
 for module in modules:
     owners[id(module)] = module
+# A tf.data class: itself only (its bases are collections.abc's, whose lazily made
+# attributes are not tfdp's doing).
+owners[id(multi_device_iterator_ops._PerDeviceGenerator)] = (
+    multi_device_iterator_ops._PerDeviceGenerator)
 
 
 def label(owner):

@@ -85,6 +85,7 @@ from tfdp._tf_private.data import (
     dataset_flat_types_and_shapes,
     end_of_data_agreement,
     patch_device_datasets_without_autotune,
+    patch_per_device_generators_traced_once,
     set_distributed_dataset_cardinality,
     skip_end_of_data_agreement,
 )
@@ -199,7 +200,7 @@ __all__ = [
     # data
     "set_distributed_dataset_cardinality", "skip_end_of_data_agreement",
     "end_of_data_agreement", "dataset_flat_types_and_shapes", "autograph_user_function",
-    "patch_device_datasets_without_autotune",
+    "patch_device_datasets_without_autotune", "patch_per_device_generators_traced_once",
     "patch_keras_epoch_iterators",
     "patch_keras_symbolic_build",
     # coordination

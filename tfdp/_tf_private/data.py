@@ -99,6 +99,159 @@ def patch_device_datasets_without_autotune() -> None:
            "per-replica input without tf.data's autotune thread")
 
 
+# Why (functions): every multi-device iterator (one per epoch under Keras's ``fit``, on every
+# worker) builds, per device, a generator dataset whose init, next and finalize functions
+# TensorFlow's ``_PerDeviceGenerator.__init__`` defines and traces anew, six ``tf.function``
+# traces per device: 37 ms each on this 2-core host, 0.15 s of every epoch at 4 replicas,
+# more than ten steps of a small model. The traced graphs differ between iterators only in
+# the values they capture (the iterator's string handle, its incarnation id, the source
+# device), which the generator op receives as arguments in any case; and those captures tie
+# the iterator's resource into reference cycles with the function graphs, so each epoch's
+# iterator, its source pipeline's threads included, lives until a full garbage collection
+# (tfdp/strategy/source_pipeline.py: collections that waited 90-108 s for such iterators).
+# The replacement traces the three functions once per (shard, source device, device, element
+# types and shapes) with the per-iterator values as arguments: the same ops, the same remote call to
+# the source device, the same order of elements, nothing captured per iterator. The init
+# function returns a placeholder state from the source device (the next function reads the
+# handle from its own arguments). Only the
+# eager, anonymous iterators TensorFlow's distributed iterators make take this path; any
+# other construction runs TensorFlow's own ``__init__``. No public API reaches this.
+from tensorflow.python.data.ops import dataset_ops as _dataset_ops
+from tensorflow.python.framework import type_utils as _data_type_utils
+from tensorflow.python.ops import functional_ops as _functional_ops
+from tensorflow.python.ops import gen_dataset_ops as _gen_dataset_ops
+
+
+def _per_device_generator_functions(shard_num, source_device, element_spec):
+    """(init, next, finalize) concrete functions of one per-device generator, traced under the
+    current device with the iterator's values as arguments (see the note above)."""
+    import tensorflow as tf
+
+    types = _data_structure.get_flat_tensor_types(element_spec)
+    shapes = _data_structure.get_flat_tensor_shapes(element_spec)
+    fulltype = _data_type_utils.fulltype_list_to_product(
+        _data_type_utils.fulltypes_for_flat_tensors(element_spec))
+    string, int64 = tf.TensorSpec([], tf.string), tf.TensorSpec([], tf.int64)
+
+    # The generator's state: a placeholder string made on the source device and returned
+    # from there, the way TensorFlow's init function returns the iterator's handle (so no
+    # function on the target device makes a string of its own).
+    with tf.device(source_device):
+        state, source = tf.constant(""), tf.constant(source_device)
+
+    @tf.function(input_signature=[string], autograph=False)
+    def state_on_source(value):
+        return value
+
+    state_concrete = state_on_source.get_concrete_function()
+
+    @tf.function(input_signature=[], autograph=False)
+    def init():
+        return _functional_ops.remote_call(target=source, args=[state], Tout=[tf.string],
+                                           f=state_concrete)
+
+    @tf.function(input_signature=[string, int64], autograph=False)
+    def next_from_shard(string_handle, incarnation_id):
+        iterator = _gen_dataset_ops.multi_device_iterator_from_string_handle(
+            string_handle=string_handle, output_types=types, output_shapes=shapes)
+        return _gen_dataset_ops.multi_device_iterator_get_next_from_shard(
+            multi_device_iterator=iterator, shard_num=shard_num, incarnation_id=incarnation_id,
+            output_types=types, output_shapes=shapes)
+
+    next_concrete = next_from_shard.get_concrete_function()
+
+    @tf.function(input_signature=[string, string, int64, string],
+                 experimental_attributes={"experimental_ints_on_device": True},
+                 autograph=False)
+    def remote_next(unused_state, string_handle, incarnation_id, source_device):
+        values = _functional_ops.remote_call(
+            target=source_device, args=[string_handle, incarnation_id], Tout=types,
+            f=next_concrete)
+        for value in values:  # which outputs hold host-memory types (strings in variants)
+            value.op.experimental_set_type(fulltype)
+        return values
+
+    @tf.function(input_signature=[string], autograph=False)
+    def finalize_on_source(unused_state):
+        return tf.constant(0, tf.int64)
+
+    finalize_concrete = finalize_on_source.get_concrete_function()
+
+    @tf.function(input_signature=[string, string], autograph=False)
+    def remote_finalize(state, source_device):
+        return _functional_ops.remote_call(target=source_device, args=[state],
+                                           Tout=[tf.int64], f=finalize_concrete)
+
+    return (init.get_concrete_function(), remote_next.get_concrete_function(),
+            remote_finalize.get_concrete_function())
+
+
+def _per_device_generator_key(shard_num, source_device, element_spec):
+    from tensorflow.python.eager import context
+
+    shapes = _data_structure.get_flat_tensor_shapes(element_spec)
+    fulltypes = _data_type_utils.fulltypes_for_flat_tensors(element_spec)
+    return (shard_num, source_device, context.context().device_name,
+            tuple(_data_structure.get_flat_tensor_types(element_spec)),
+            tuple(None if s.rank is None else tuple(s.as_list()) for s in shapes),
+            tuple(t.SerializeToString() for t in fulltypes))
+
+
+def patch_per_device_generators_traced_once() -> None:
+    """Class patch of ``multi_device_iterator_ops._PerDeviceGenerator.__init__``: the
+    per-device functions of a distributed iterator are traced once per element structure
+    and device, not once per iterator (see the note above)."""
+    import threading
+
+    import tensorflow as tf
+
+    from tfdp._tf_private.core import _patch
+
+    generator_class = _multi_device_iterator_ops._PerDeviceGenerator
+    traced: dict = {}  # key -> (init, next, finalize); dropped with the patch
+    lock = threading.Lock()
+
+    def make(original):
+        def __init__(self, shard_num, multi_device_iterator_resource, incarnation_id,
+                     source_device, element_spec, iterator_is_anonymous):
+            if not (iterator_is_anonymous and tf.executing_eagerly()
+                    and hasattr(source_device, "numpy")):
+                return original(self, shard_num, multi_device_iterator_resource,
+                                incarnation_id, source_device, element_spec,
+                                iterator_is_anonymous)
+            source = source_device.numpy().decode()
+            key = _per_device_generator_key(shard_num, source, element_spec)
+            with lock:
+                if key not in traced:
+                    traced[key] = _per_device_generator_functions(shard_num, source,
+                                                                  element_spec)
+                functions = traced[key]
+            self._element_spec = element_spec
+            self._name = f"device_generator_{shard_num}"
+            self._init_func, self._next_func, self._finalize_func = functions
+            self._init_captured_args = self._init_func.captured_inputs
+            handle = _gen_dataset_ops.multi_device_iterator_to_string_handle(
+                multi_device_iterator_resource)
+            # The resource rides along (as in TensorFlow's own) so the iterator lives as long
+            # as its per-device datasets.
+            self._next_captured_args = [handle, incarnation_id, source_device,
+                                        multi_device_iterator_resource]
+            self._incarnation_id_index = 1
+            self._finalize_captured_args = [source_device]
+            variant_tensor = _gen_dataset_ops.generator_dataset(
+                self._init_captured_args, self._next_captured_args,
+                self._finalize_captured_args, init_func=self._init_func,
+                next_func=self._next_func, finalize_func=self._finalize_func,
+                **self._flat_structure)
+            _dataset_ops.DatasetV2.__init__(self, variant_tensor)
+
+        __init__.traced = traced
+        return __init__
+
+    _patch(generator_class, "__init__", make,
+           "per-replica input functions traced once, not per epoch")
+
+
 def dataset_flat_types_and_shapes(element_spec):
     """(output_types, output_shapes) of a dataset with ``element_spec``, as dataset ops take them."""
     return (_data_structure.get_flat_tensor_types(element_spec),

@@ -80,7 +80,8 @@ FEATURES = {
     "consensus": lambda: consensus.install(),
     "chief_writes": lambda: chief_writes.install(),
     "collective_timing": _collective_timing,
-    "device_input": lambda: _tf_private.patch_device_datasets_without_autotune(),
+    "device_input": lambda: (_tf_private.patch_device_datasets_without_autotune(),
+                             _tf_private.patch_per_device_generators_traced_once()),
     "epoch_iterators": lambda: _install_epoch_iterators(),
 }
 _BASE = ("gradients", "zero3_moving_average", "zero3_units", "xla", "random_draws", "fit_input",
