@@ -887,9 +887,65 @@ def test_fit_makes_one_distributed_iterator_per_epoch(monkeypatch, steps_per_epo
     # epoch the training iterator and the validation's; Keras's own methods add one after
     # every epoch and validation (no steps_per_epoch), and the validation's build.
     if steps_per_epoch is None:
-        assert (ours, kerass) == (1 + 3 + 3, 1 + 2 * 3 + 3 * 3)
+        assert (ours, kerass) == (3 + 3, 1 + 2 * 3 + 3 * 3)
     else:  # Keras makes the next epoch's iterator after each epoch, and uses it
-        assert (ours, kerass) == (1 + 1 + 3 + 3, 1 + 1 + 3 + 3 * 3)
+        assert (ours, kerass) == (1 + 3 + 3, 1 + 1 + 3 + 3 * 3)
+
+
+def test_an_unbuilt_model_is_built_from_the_element_spec_with_one_devices_shapes(monkeypatch):
+    """Pins _tf_private.patch_keras_symbolic_build's unbuilt case (``PerReplicaSpec``
+    unwrapped): under a tfdp strategy a model without an ``Input`` is built from one replica's
+    element spec, with no iterator made and no batch averaged over the replicas, and gets the
+    input shape Keras gives it on one device (batch dimension None). A padded batch (a
+    dimension after the batch unknown) takes Keras's own path and trains. Guard: Keras's own
+    method fixes the batch dimension at the first batch's per-replica size."""
+    import tensorflow as tf
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    from tensorflow.python.distribute import input_lib
+
+    from tfdp._tf_private import keras_trainer
+
+    strategy = tfdp.DataParallelStrategy([f"/device:CPU:{i}" for i in range(2)])
+    x = np.arange(64, dtype="float32").reshape(32, 2) / 64
+    train = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(8)
+    made = []
+    iterate = input_lib.DistributedDataset.__iter__
+    monkeypatch.setattr(input_lib.DistributedDataset, "__iter__",
+                        lambda self: made.append(1) or iterate(self))
+
+    def input_shape(scope):
+        made.clear()
+        with scope:
+            keras.utils.set_random_seed(3)
+            model = keras.Sequential([keras.layers.Dense(4), keras.layers.Dense(1)])
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.fit(train, epochs=1, verbose=0)
+        return tuple(model.layers[0].input.shape), len(made), model.get_weights()
+
+    one_device, _, _ = input_shape(tf.distribute.get_strategy().scope())
+    ours, ours_made, weights = input_shape(strategy.scope())
+    assert ours == one_device == (None, 2)
+    assert ours_made == 1  # the epoch's own iterator only
+    monkeypatch.setattr(TensorFlowTrainer, "_maybe_symbolic_build",
+                        TensorFlowTrainer._maybe_symbolic_build.__wrapped__)
+    kerass, kerass_made, keras_weights = input_shape(strategy.scope())
+    assert (kerass, kerass_made) == ((4, 2), 2)  # guard: the averaged first batch's shape
+    for got, want in zip(weights, keras_weights):
+        np.testing.assert_array_equal(got, want)
+    monkeypatch.undo()
+
+    words = tf.data.Dataset.range(12).map(lambda i: (tf.range(i % 5 + 1), i % 2))
+    padded = words.padded_batch(4, padded_shapes=([None], []))
+    dist = strategy.experimental_distribute_dataset(padded)
+    assert keras_trainer._per_replica_batch_spec(
+        type("EpochIterator", (), {"_distributed_dataset": dist})()) is None
+    with strategy.scope():
+        model = keras.Sequential([keras.layers.Embedding(8, 4),
+                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True))
+    history = model.fit(padded, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
 
 
 def test_per_replica_input_pipelines_run_without_the_autotune_thread(monkeypatch):

@@ -170,18 +170,54 @@ def _unbuilt_for_symbolic_build(model) -> bool:
             or (loss is not None and not loss.built))
 
 
+# Why (unbuilt): where something is still unbuilt, Keras reads a batch from a new distributed
+# iterator and averages it over the replicas (an eager cross-replica reduction: in a
+# multi-worker job a cross-worker one, before the first step) only to take the shapes and
+# dtypes ``_symbolic_build`` makes symbolic inputs of. The distributed dataset's element spec
+# has them (one replica's specs inside TensorFlow's ``PerReplicaSpec``, a private class; no
+# public API unwraps a distributed spec). Keras on one device builds from the same spec, when
+# it traces its train function, so the model gets the input shapes one device gets (a batch
+# dimension of None for a dataset batched without ``drop_remainder``) where the averaged batch
+# fixed the first batch's size. Where a spec leaves a dimension after the batch unknown, or is
+# not a plain tensor's (padded, ragged, sparse), Keras's own path runs.
+def _per_replica_batch_spec(epoch_iterator):
+    """One replica's element spec of ``epoch_iterator``'s distributed dataset, or None where it
+    is not plain tensors with every dimension after the batch known."""
+    import tensorflow as tf
+    from tensorflow.python.distribute import values as distribute_values
+
+    spec = getattr(getattr(epoch_iterator, "_distributed_dataset", None), "element_spec", None)
+    if spec is None:
+        return None
+
+    def one_replica(leaf):
+        if isinstance(leaf, distribute_values.PerReplicaSpec):
+            leaf = leaf._value_specs[0]  # noqa: SLF001
+        return leaf
+
+    specs = tf.nest.map_structure(one_replica, spec)
+    if not all(type(leaf) is tf.TensorSpec and leaf.shape.rank is not None
+               and leaf.shape[1:].is_fully_defined() for leaf in tf.nest.flatten(specs)):
+        return None
+    return specs
+
+
 def patch_keras_symbolic_build(applies) -> None:
     """Class patch of ``TensorFlowTrainer._maybe_symbolic_build``: no iterator is made to
-    build a model that is built (see the note above); ``applies(model)`` limits it."""
+    build a model that is built, nor to take the shapes of one that is not (see the notes
+    above); ``applies(model)`` limits it."""
     _, tf_trainer = _keras_trainer_classes()
 
     def make(original):
         def maybe_symbolic_build(self, iterator=None, data_batch=None):
-            if (iterator is None or data_batch is not None or not applies(self)
-                    or _unbuilt_for_symbolic_build(self)):
+            if iterator is None or data_batch is not None or not applies(self):
                 return original(self, iterator=iterator, data_batch=data_batch)
+            if _unbuilt_for_symbolic_build(self):
+                data_batch = _per_replica_batch_spec(iterator)
+                if data_batch is None:
+                    return original(self, iterator=iterator, data_batch=None)
             with self.distribute_strategy.scope():
-                self._symbolic_build(data_batch=None)  # noqa: SLF001
+                self._symbolic_build(data_batch=data_batch)  # noqa: SLF001
 
         return maybe_symbolic_build
 
