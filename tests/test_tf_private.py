@@ -1009,7 +1009,7 @@ def test_per_replica_generator_functions_are_traced_once_and_give_the_same_eleme
     """Pins _tf_private.patch_per_device_generators_traced_once: under a tfdp strategy every
     distributed iterator's per-device generators reuse functions traced once per device and
     element structure (TensorFlow traces six per device and iterator: 0.15 s of every epoch
-    at 4 CPU replicas here, 0.09 s with the patch, tools/bench_epoch_iterators.py), and
+    at 4 CPU replicas here, 0.09 s with the patch; tools/bench_epoch_overhead.py), and
     give the same elements in the same order on every replica as TensorFlow's own."""
     import tensorflow as tf
     from tensorflow.python.data.ops import multi_device_iterator_ops as mdi

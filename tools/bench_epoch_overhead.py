@@ -7,7 +7,9 @@ every epoch and every validation (a MultiDeviceIterator whose per-device functio
 traces anew each time), plus one after each epoch that the next one replaces and one per
 validation to read a batch for building the model. tfdp makes only the ones that are used
 (feature ``"epoch_iterators"``, docs/strategy.md; ``tfdp_keras_iterators`` is tfdp with those patches
-undone, as before). Reported: wall and CPU milliseconds per epoch
+undone, as before) and traces each device's generator functions once, not per iterator
+(``_tf_private.patch_per_device_generators_traced_once``; ``tfdp_tf_generators`` is tfdp with
+TensorFlow's own generators put back). Reported: wall and CPU milliseconds per epoch
 (median over ``--epochs`` after a warm-up fit), the distributed iterators made per epoch, and
 the ratios to tfdp.
 
@@ -33,9 +35,11 @@ sys.path.insert(0, HERE)
 import report  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("configs", ["none", "mirrored", "tfdp_keras_iterators", "tfdp"],
+flags.DEFINE_list("configs", ["none", "mirrored", "tfdp_keras_iterators", "tfdp_tf_generators",
+                              "tfdp"],
                   "none, mirrored, tfdp_keras_iterators (tfdp with Keras's own iterator making, "
-                  "as before the epoch_iterators feature) and/or tfdp.")
+                  "as before the epoch_iterators feature), tfdp_tf_generators (tfdp with "
+                  "TensorFlow's per-device generators, traced per iterator) and/or tfdp.")
 flags.DEFINE_list("replicas", ["2", "4"], "Logical CPU replica counts (none: one device).")
 flags.DEFINE_list("steps", ["10"], "Training steps per epoch.")
 flags.DEFINE_integer("epochs", 8, "Measured epochs per process (after a warm-up fit).")
@@ -63,12 +67,17 @@ def child():
     devices = [f"/device:CPU:{i}" for i in range(replicas)]
     strategy = {"none": lambda: None, "mirrored": lambda: tf.distribute.MirroredStrategy(devices),
                 "tfdp": lambda: tfdp.DataParallelStrategy(devices),
-                "tfdp_keras_iterators": lambda: tfdp.DataParallelStrategy(devices)}[config]()
+                "tfdp_keras_iterators": lambda: tfdp.DataParallelStrategy(devices),
+                "tfdp_tf_generators": lambda: tfdp.DataParallelStrategy(devices)}[config]()
     if config == "tfdp_keras_iterators":  # the feature's patches undone: Keras's own methods
         from tfdp.strategy import keras_integration
 
         for owner, name in keras_integration.installed_features()["epoch_iterators"]:
             setattr(owner, name, getattr(owner, name).__wrapped__)  # tfdp's patches keep it
+    if config == "tfdp_tf_generators":  # TensorFlow's own per-device generator functions
+        from tensorflow.python.data.ops import multi_device_iterator_ops as mdi
+
+        mdi._PerDeviceGenerator.__init__ = mdi._PerDeviceGenerator.__init__.__wrapped__
     made = []  # distributed iterators made (none without a strategy)
     iterate = input_lib.DistributedDataset.__iter__
     input_lib.DistributedDataset.__iter__ = lambda self: made.append(1) or iterate(self)
@@ -160,7 +169,8 @@ def main(argv):
         labels = [f"{r['config'].replace('_', ' ')}\nx{r['replicas']}" for r in rows]
         ax.bar(range(len(rows)), [r["ms_per_epoch"] for r in rows],
                color=[{"none": "#999999", "mirrored": "#d62728", "tfdp_keras_iterators": "#9ecae1",
-                       "tfdp": "#1f77b4"}[r["config"]] for r in rows])
+                       "tfdp_tf_generators": "#6baed6", "tfdp": "#1f77b4"}[r["config"]]
+                      for r in rows])
         ax.set_xticks(range(len(rows)), labels, fontsize=7)
         ax.set_ylabel("ms per epoch (with validation)")
         ax.set_title("What an epoch costs beyond its steps")

@@ -1,6 +1,7 @@
 """tf.data internals: the distributed dataset Keras trains on and the pipelines tfdp.data builds.
 
-What lives here: the cardinality and end-of-data agreement of a distributed dataset
+What lives here: the per-replica side of a distributed iterator (no autotune thread, generator
+functions traced once), the cardinality and end-of-data agreement of a distributed dataset
 (tfdp/data/distributed.py, tfdp/data/pipeline.py), the flat variant types a dataset op takes
 (tfdp/data/graph.py's auto-shard rewrite), and AutoGraph for a user's pipeline function
 (tfdp/data/sources.py). Each entry says why no public API serves; tests/test_tf_private.py
@@ -38,6 +39,28 @@ from tensorflow.python.data.util import structure as _data_structure
 # has the same thread; tfdp's strategy turns it off there through the public options
 # (tfdp/strategy/source_pipeline.py).
 from tensorflow.python.data.ops import multi_device_iterator_ops as _multi_device_iterator_ops
+
+# Why (functions): every multi-device iterator (one per epoch under Keras's ``fit``, on every
+# worker) builds, per device, a generator dataset whose init, next and finalize functions
+# TensorFlow's ``_PerDeviceGenerator.__init__`` defines and traces anew, six ``tf.function``
+# traces per device: 37 ms each on this 2-core host, 0.15 s of every epoch at 4 replicas,
+# more than ten steps of a small model. The traced graphs differ between iterators only in
+# the values they capture (the iterator's string handle, its incarnation id, the source
+# device), which the generator op receives as arguments in any case; and those captures tie
+# the iterator's resource into reference cycles with the function graphs, so each epoch's
+# iterator, its source pipeline's threads included, lives until a full garbage collection
+# (tfdp/strategy/source_pipeline.py: collections that waited 90-108 s for such iterators).
+# The replacement traces the three functions once per (shard, source device, device, element
+# types and shapes) with the per-iterator values as arguments: the same ops, the same remote
+# call to the source device, the same order of elements, nothing captured per iterator. The
+# init function returns a placeholder state from the source device (the next function reads
+# the handle from its own arguments). Only the eager, anonymous iterators TensorFlow's
+# distributed iterators make take this path; any other construction runs TensorFlow's own
+# ``__init__``. No public API reaches this.
+from tensorflow.python.data.ops import dataset_ops as _dataset_ops
+from tensorflow.python.framework import type_utils as _type_utils
+from tensorflow.python.ops import functional_ops as _functional_ops
+from tensorflow.python.ops import gen_dataset_ops as _gen_dataset_ops
 
 
 # --- The distributed dataset (distributed.py, pipeline.py) ---------------------------------
@@ -99,27 +122,6 @@ def patch_device_datasets_without_autotune() -> None:
            "per-replica input without tf.data's autotune thread")
 
 
-# Why (functions): every multi-device iterator (one per epoch under Keras's ``fit``, on every
-# worker) builds, per device, a generator dataset whose init, next and finalize functions
-# TensorFlow's ``_PerDeviceGenerator.__init__`` defines and traces anew, six ``tf.function``
-# traces per device: 37 ms each on this 2-core host, 0.15 s of every epoch at 4 replicas,
-# more than ten steps of a small model. The traced graphs differ between iterators only in
-# the values they capture (the iterator's string handle, its incarnation id, the source
-# device), which the generator op receives as arguments in any case; and those captures tie
-# the iterator's resource into reference cycles with the function graphs, so each epoch's
-# iterator, its source pipeline's threads included, lives until a full garbage collection
-# (tfdp/strategy/source_pipeline.py: collections that waited 90-108 s for such iterators).
-# The replacement traces the three functions once per (shard, source device, device, element
-# types and shapes) with the per-iterator values as arguments: the same ops, the same remote call to
-# the source device, the same order of elements, nothing captured per iterator. The init
-# function returns a placeholder state from the source device (the next function reads the
-# handle from its own arguments). Only the
-# eager, anonymous iterators TensorFlow's distributed iterators make take this path; any
-# other construction runs TensorFlow's own ``__init__``. No public API reaches this.
-from tensorflow.python.data.ops import dataset_ops as _dataset_ops
-from tensorflow.python.framework import type_utils as _data_type_utils
-from tensorflow.python.ops import functional_ops as _functional_ops
-from tensorflow.python.ops import gen_dataset_ops as _gen_dataset_ops
 
 
 def _per_device_generator_functions(shard_num, source_device, element_spec):
@@ -127,10 +129,9 @@ def _per_device_generator_functions(shard_num, source_device, element_spec):
     current device with the iterator's values as arguments (see the note above)."""
     import tensorflow as tf
 
-    types = _data_structure.get_flat_tensor_types(element_spec)
-    shapes = _data_structure.get_flat_tensor_shapes(element_spec)
-    fulltype = _data_type_utils.fulltype_list_to_product(
-        _data_type_utils.fulltypes_for_flat_tensors(element_spec))
+    types, shapes = dataset_flat_types_and_shapes(element_spec)
+    fulltype = _type_utils.fulltype_list_to_product(
+        _type_utils.fulltypes_for_flat_tensors(element_spec))
     string, int64 = tf.TensorSpec([], tf.string), tf.TensorSpec([], tf.int64)
 
     # The generator's state: a placeholder string made on the source device and returned
@@ -189,10 +190,9 @@ def _per_device_generator_functions(shard_num, source_device, element_spec):
 def _per_device_generator_key(shard_num, source_device, element_spec):
     from tensorflow.python.eager import context
 
-    shapes = _data_structure.get_flat_tensor_shapes(element_spec)
-    fulltypes = _data_type_utils.fulltypes_for_flat_tensors(element_spec)
-    return (shard_num, source_device, context.context().device_name,
-            tuple(_data_structure.get_flat_tensor_types(element_spec)),
+    types, shapes = dataset_flat_types_and_shapes(element_spec)
+    fulltypes = _type_utils.fulltypes_for_flat_tensors(element_spec)
+    return (shard_num, source_device, context.context().device_name, tuple(types),
             tuple(None if s.rank is None else tuple(s.as_list()) for s in shapes),
             tuple(t.SerializeToString() for t in fulltypes))
 
