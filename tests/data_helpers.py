@@ -1,5 +1,7 @@
 """What the tfdp.data tests share (tests/test_data.py, test_data_files.py, test_data_service.py):
-reading the element ids each step and replica got, and W "workers" in one process.
+reading the element ids each step and replica got, and W "workers" in one process; and what the
+per-device generator tests share (tests/test_tf_private.py on CPU replicas, the GPU tier's
+tests/workers/gpu_worker.py on logical GPUs).
 
 Each fake worker calls distribute() itself, as every process of a real job does, with a
 strategy stand-in that builds the worker's pipeline from its InputContext. Steps are taken as
@@ -96,3 +98,50 @@ def read_epoch_with_collectives(strategy, distributed):
                     for i in np.asarray(part))
         steps += 1
     return seen, steps
+
+
+# Datasets for the per-device generators: plain, string and ragged components (the ragged ones
+# travel as variants whose full type tells the remote call they hold host memory), shuffled.
+PER_DEVICE_ELEMENTS = {
+    "dense": lambda: tf.data.Dataset.range(48).map(
+        lambda i: (tf.cast(tf.reshape(tf.range(3 * i, 3 * i + 3), [3]), tf.float32), i))
+    .shuffle(20, seed=3).batch(8),
+    "strings_and_ragged": lambda: tf.data.Dataset.range(24).map(
+        lambda i: {"text": tf.strings.as_string(i), "ragged": tf.ragged.range(i % 4)})
+    .batch(4),
+}
+
+
+def per_replica_values(strategy, dataset, epochs=2):
+    """Every component of every batch of ``epochs`` epochs, as lists per replica."""
+    dist = strategy.experimental_distribute_dataset(dataset)
+    out = []
+    for _ in range(epochs):
+        for batch in dist:
+            for part in tf.nest.flatten(batch, expand_composites=True):
+                out.append([v.numpy().tolist() for v in strategy.experimental_local_results(
+                    part)] if hasattr(part, "values") else part.numpy().tolist())
+    return out
+
+
+def generators_against_tensorflows(strategy, make_dataset):
+    """Reads ``make_dataset()`` through ``strategy`` with tfdp's per-device generators twice
+    and with TensorFlow's own once (the patch's original put back for the third read).
+    Returns the functions the first read traced, those the second added, whether the three
+    reads gave the same elements, and how many component lists were compared."""
+    from tensorflow.python.data.ops import multi_device_iterator_ops as mdi
+
+    generator_class = mdi._PerDeviceGenerator
+    patched = vars(generator_class)["__init__"]
+    assert getattr(patched, "_tfdp_patch", False), "tfdp's device_input feature is not installed"
+    ours = per_replica_values(strategy, make_dataset())
+    traced = len(patched.traced)
+    again = per_replica_values(strategy, make_dataset())
+    retraced = len(patched.traced) - traced
+    generator_class.__init__ = patched.__wrapped__
+    try:
+        tensorflows = per_replica_values(strategy, make_dataset())
+    finally:
+        generator_class.__init__ = patched
+    return {"traced": traced, "retraced": retraced, "equal": ours == again == tensorflows,
+            "elements": len(ours)}

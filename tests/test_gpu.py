@@ -5,7 +5,8 @@ logical GPUs must be configured before TensorFlow starts.
 Covered: fit equivalence with and without XLA on every GPU (logical GPUs on a one-GPU host),
 NCCL all-reduce and NCCL training on two or more physical GPUs, fp16 compression and the
 clear bf16 error, ShardedOptimizer, ring on logical GPUs with int32 labels, the shared-GPU
-fallback (auto -> ring, nccl refused), and ``tfdp-run --workers 2`` on one GPU.
+fallback (auto -> ring, nccl refused), the per-device generators that copy each replica's batch
+to its GPU, and ``tfdp-run --workers 2`` on one GPU.
 """
 
 import json
@@ -66,6 +67,16 @@ def test_xla_on_two_logical_gpus_trains_like_one_device(tmp_path):
     assert "uses ring collectives" in out  # said once, why
     assert_fit_equivalence(result["fit"])
     assert all(r["communication"] == "ring" for r in result["fit"].values())
+
+
+def test_per_device_generators_traced_once_feed_gpu_replicas_like_tensorflows(tmp_path):
+    # tfdp's per-device generator functions (the device_input feature) copy each replica's
+    # batch from the host to its GPU: the same elements as TensorFlow's own generators.
+    result, _ = run_scenario(tmp_path, "device_input", logical=0 if PHYSICAL_GPUS > 1 else 2)
+    assert len(result["replicas"]) >= 2 and all("GPU" in d for d in result["replicas"]), result
+    for name, got in result["cases"].items():
+        assert got["equal"] and got["retraced"] == 0 and got["traced"] >= 2, (name, got)
+        assert got["elements"] > 8, (name, got)
 
 
 @needs_two_gpus

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import tfdp
+from data_helpers import PER_DEVICE_ELEMENTS, generators_against_tensorflows
 from tfdp import _tf_private
 
 
@@ -978,54 +979,19 @@ def test_per_replica_input_pipelines_run_without_the_autotune_thread(monkeypatch
         assert tensorflows.options().autotune.enabled is not False  # guard
 
 
-PER_DEVICE_ELEMENTS = [
-    # (name, dataset): plain, string and ragged components (the ragged ones travel as
-    # variants whose full type tells the remote call they hold host memory), shuffled.
-    ("dense", lambda tf: tf.data.Dataset.range(48).map(
-        lambda i: (tf.cast(tf.reshape(tf.range(3 * i, 3 * i + 3), [3]), tf.float32), i))
-     .shuffle(20, seed=3).batch(8)),
-    ("strings_and_ragged", lambda tf: tf.data.Dataset.range(24).map(
-        lambda i: {"text": tf.strings.as_string(i), "ragged": tf.ragged.range(i % 4)})
-     .batch(4)),
-]
-
-
-def _per_replica_values(strategy, dataset, epochs=2):
-    import tensorflow as tf
-
-    dist = strategy.experimental_distribute_dataset(dataset)
-    out = []
-    for _ in range(epochs):
-        for batch in dist:
-            for part in tf.nest.flatten(batch, expand_composites=True):
-                out.append([v.numpy().tolist() for v in strategy.experimental_local_results(
-                    part)] if hasattr(part, "values") else part.numpy().tolist())
-    return out
-
-
-@pytest.mark.parametrize("name", [name for name, _ in PER_DEVICE_ELEMENTS])
-def test_per_replica_generator_functions_are_traced_once_and_give_the_same_elements(
-        name, monkeypatch):
+@pytest.mark.parametrize("name", sorted(PER_DEVICE_ELEMENTS))
+def test_per_replica_generator_functions_are_traced_once_and_give_the_same_elements(name):
     """Pins _tf_private.patch_per_device_generators_traced_once: under a tfdp strategy every
     distributed iterator's per-device generators reuse functions traced once per device and
     element structure (TensorFlow traces six per device and iterator: 0.15 s of every epoch
     at 4 CPU replicas here, 0.09 s with the patch; tools/bench_epoch_overhead.py), and
-    give the same elements in the same order on every replica as TensorFlow's own."""
-    import tensorflow as tf
-    from tensorflow.python.data.ops import multi_device_iterator_ops as mdi
-
-    make = dict(PER_DEVICE_ELEMENTS)[name]
+    give the same elements in the same order on every replica as TensorFlow's own (on two
+    logical GPUs too: tests/test_gpu.py)."""
     strategy = tfdp.DataParallelStrategy([f"/device:CPU:{i}" for i in range(4)])
-    patched = vars(mdi._PerDeviceGenerator)["__init__"]
-    assert getattr(patched, "_tfdp_patch", False)
-    ours = _per_replica_values(strategy, make(tf))
-    traced = len(patched.traced)
-    again = _per_replica_values(strategy, make(tf))  # two more iterators: nothing traced
-    assert len(patched.traced) == traced and traced >= 4
-    monkeypatch.setattr(mdi._PerDeviceGenerator, "__init__", patched.__wrapped__)
-    tensorflows = _per_replica_values(strategy, make(tf))
-    assert ours == again == tensorflows
-    assert len(ours) > 8  # the comparison saw elements
+    got = generators_against_tensorflows(strategy, PER_DEVICE_ELEMENTS[name])
+    assert got["traced"] >= 4 and got["retraced"] == 0, got
+    assert got["equal"], got
+    assert got["elements"] > 8  # the comparison saw elements
 
 
 def test_a_dropped_distributed_iterator_is_freed_without_a_garbage_collection(monkeypatch):

@@ -102,6 +102,18 @@ def shared_gpu():
             "fit": fit_equivalence({})}
 
 
+def device_input():
+    """The per-device generators traced once (feature device_input) feeding GPU replicas:
+    the same elements as TensorFlow's own, nothing traced by a second iterator."""
+    import tfdp
+    from data_helpers import PER_DEVICE_ELEMENTS, generators_against_tensorflows
+
+    strategy = tfdp.DataParallelStrategy()
+    return {"replicas": list(strategy.extended.worker_devices),
+            "cases": {name: generators_against_tensorflows(strategy, make)
+                      for name, make in sorted(PER_DEVICE_ELEMENTS.items())}}
+
+
 def main():
     scenario, out = sys.argv[1], sys.argv[2]
     logical = int(sys.argv[sys.argv.index("--logical") + 1]) if "--logical" in sys.argv else 0
@@ -113,7 +125,8 @@ def main():
               "nccl": nccl_all_reduce,
               "fp16": lambda: compression("fp16"),
               "bf16": lambda: compression("bf16"),
-              "shared": shared_gpu}[scenario]()
+              "shared": shared_gpu,
+              "device_input": device_input}[scenario]()
     result["devices"] = [d.name for d in tf.config.list_logical_devices("GPU")]
     details = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0])
     result["gpu"] = details.get("device_name", "unknown")
