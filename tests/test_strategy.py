@@ -642,3 +642,31 @@ def test_take_back_sigterm_reinstalls_the_handler_a_c_library_replaced():
         assert received == [signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_tfdps_own_functions_are_not_converted_by_autograph(monkeypatch):
+    """tfdp's internal tf.functions (the workers' agreement, ZeRO's gathers) branch on no
+    tensor and are built with autograph=False: autograph would otherwise convert tfdp's
+    strategy.run and every helper it calls, once per process (0.5 s of CPU at a worker's
+    first agreement, measured with py-spy). Guard: the same function with autograph on
+    converts them."""
+    from tensorflow.python.autograph.pyct import transpiler
+
+    from tfdp.strategy import agreement
+
+    converted = []
+    transform = transpiler.GenericTranspiler.transform_function
+
+    def counting(self, fn, *args, **kwargs):
+        converted.append(getattr(fn, "__qualname__", repr(fn)))
+        return transform(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(transpiler.GenericTranspiler, "transform_function", counting)
+    strategy = tfdp.DataParallelStrategy([f"/device:CPU:{i}" for i in range(2)])
+    summing = agreement._summing_function(strategy)
+    values = tf.constant([1.0, 2.0], tf.float64)
+    summed = strategy.experimental_local_results(summing(values))
+    assert [v.numpy().tolist() for v in summed] == [[1.0, 2.0]] * 2  # replica 0's values
+    assert converted == []
+    tf.function(summing.python_function)(values)  # the guard: autograph on
+    assert any(name.endswith(".run") for name in converted), converted

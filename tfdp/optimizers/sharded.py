@@ -444,7 +444,7 @@ class ShardedOptimizer(ConsolidatedState, keras.optimizers.Optimizer):
             return
         strategy = _tf_private.optimizer_strategy(self)
 
-        @tf.function
+        @tf.function(autograph=False)  # no tensor branches (agreement.py says why)
         def overwrite():
             strategy.run(lambda: self._copy_averages_to_variables(
                 replica_ops.global_replica_id(strategy), indices))

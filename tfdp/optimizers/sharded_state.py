@@ -276,7 +276,7 @@ class ConsolidatedState:
             width = packing.row_width([[int(np.prod(shapes[k])) for k in slots_of[r]]
                                        for r in range(self._num_replicas)])
 
-            @tf.function
+            @tf.function(autograph=False)  # no tensor branches (agreement.py says why)
             def gather(slots_of=slots_of, width=width, dtype=dtype):
                 def fn():
                     me = replica_ops.global_replica_id(strategy)

@@ -230,7 +230,7 @@ def _gather_across_workers(components, spec: ShardSpec):
     strategy = spec.strategy
     gather = getattr(spec, "_gather_function", None)
     if gather is None:
-        @tf.function
+        @tf.function(autograph=False)  # no tensor branches (agreement.py says why)
         def gather():
             def fn():
                 local = components[replica_ops.local_replica_index()]
