@@ -122,8 +122,6 @@ def patch_device_datasets_without_autotune() -> None:
            "per-replica input without tf.data's autotune thread")
 
 
-
-
 def _per_device_generator_functions(shard_num, source_device, element_spec):
     """(init, next, finalize) concrete functions of one per-device generator, traced under the
     current device with the iterator's values as arguments (see the note above)."""
