@@ -52,6 +52,7 @@ import keras.src.utils.file_utils as file_utils
 from tensorflow.python.ops import collective_ops, summary_ops_v2
 from tensorflow.python.data.ops import multi_device_iterator_ops
 from tensorflow.python.saved_model import save as saved_model_save
+from tensorflow.python.autograph.core import config as autograph_config
 import keras.src.backend.tensorflow.random as keras_tf_random
 from keras.src.backend.tensorflow.trainer import TFEpochIterator
 
@@ -64,7 +65,7 @@ classes = [keras.optimizers.Optimizer, tf_optimizer_module.TFOptimizer,
 classes += [c for c in vars(keras.callbacks).values() if isinstance(c, type)]
 modules = [tf.summary, tf.saved_model, saving_lib, legacy_h5_format, file_utils,
            collective_ops, summary_ops_v2, saved_model_save, keras_tf_random,
-           multi_device_iterator_ops]
+           multi_device_iterator_ops, autograph_config]
 owners = {}
 for cls in classes:
     for klass in inspect.getmro(cls):
@@ -177,7 +178,8 @@ def test_uninstall_leaves_keras_and_tensorflow_as_they_were_and_a_new_strategy_r
                              ("loss_scale_saving", "LossScaleOptimizer.save_own_variables"),
                              ("collective_timing", "collective_ops.all_reduce_v2"),
                              ("consensus", "CallbackList.on_epoch_end"), ("fit_input", "fit"),
-                             ("epoch_iterators", "EpochIterator._enumerate_iterator")):
+                             ("epoch_iterators", "EpochIterator._enumerate_iterator"),
+                             ("autograph_leaves_tfdp", "config.CONVERSION_RULES")):
         assert any(name.endswith(example) for name in features.get(feature, ())), (
             feature, features)
     listed = sorted(name for names in features.values() for name in names)

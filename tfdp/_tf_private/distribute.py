@@ -10,7 +10,7 @@ step deadline. Each entry says why no public API serves; tests/test_tf_private.p
 
 from __future__ import annotations
 
-from tfdp._tf_private.core import _get, _patch, require_attributes
+from tfdp._tf_private.core import _get, _patch, _replace, require_attributes
 
 # Why: tf.distribute has no public way to build a Strategy with a custom extended object.
 # CollectiveAllReduceExtended is the engine under MultiWorkerMirroredStrategy: it mirrors
@@ -255,6 +255,33 @@ def abort_collective_ops(message: str) -> None:
     from tensorflow.python.framework import errors
 
     _eager_context.context().abort_collective_ops(errors.DEADLINE_EXCEEDED, message)
+
+
+# Why: AutoGraph converts every function a converted function calls, unless the callee's module
+# matches one of its conversion rules; TensorFlow lists itself and Keras there (DoNotConvert).
+# tfdp is not listed, so a custom loop (``strategy.run`` inside the user's tf.function) made
+# AutoGraph rewrite ``DataParallelStrategy.run`` and every tfdp helper it calls: 0.5-0.6 s of
+# CPU in each process (py-spy of a 2-worker job), and tfdp's graph-mode code transformed where
+# it was not written for it (the Keras path never converts it). The public
+# ``tf.autograph.experimental.do_not_convert`` is no substitute: it disables AutoGraph for
+# everything beneath, the user's replica function included, which ``Strategy.run`` must
+# convert when the caller's status says so. No public API adds a rule; the rules are a tuple
+# AutoGraph reads at each call (``conversion.is_allowlisted``), replaced here through the patch
+# registry (``restore_patches`` puts TensorFlow's tuple back).
+from tensorflow.python.autograph.core import config as _autograph_config
+
+
+def patch_autograph_leaves_module(prefix: str) -> None:
+    """Adds a DoNotConvert rule for the modules ``prefix`` and ``prefix.*`` to AutoGraph's
+    conversion rules, first (idempotent): AutoGraph then calls their functions as written, with
+    the caller's AutoGraph status unchanged, as it calls TensorFlow's and Keras's."""
+    rules = _get(_autograph_config, "CONVERSION_RULES", "leaving tfdp's code to AutoGraph")
+    if any(isinstance(rule, _autograph_config.DoNotConvert) and rule.matches(prefix)
+           and rule.matches(prefix + ".x") for rule in rules):
+        return
+    _replace(_autograph_config, "CONVERSION_RULES",
+             (_autograph_config.DoNotConvert(prefix),) + tuple(rules),
+             "leaving tfdp's code to AutoGraph")
 
 
 def convert_like_strategy_run(fn):

@@ -26,6 +26,10 @@ forgets the job, so a later strategy installs afresh. What it installs:
 5. With several workers, the stock callbacks and saving: only the chief writes to the user's
    paths (``chief_writes``), and ``EarlyStopping``-style decisions and restored epochs agree
    across workers (``consensus``).
+6. AutoGraph (``autograph_leaves_tfdp``): AutoGraph calls tfdp's functions as written, as it
+   calls TensorFlow's and Keras's, instead of converting ``strategy.run`` and its helpers in
+   every process that runs a custom loop; the user's replica function is still converted
+   exactly when ``Strategy.run`` would convert it (``randomness.replica_function``).
 
 Every patch is installed through one entry, ``require(feature)``, by named feature
 (``FEATURES``): ``install`` requires the features above; ``ShardedOptimizer`` requires
@@ -83,9 +87,10 @@ FEATURES = {
     "device_input": lambda: (_tf_private.patch_device_datasets_without_autotune(),
                              _tf_private.patch_per_device_generators_traced_once()),
     "epoch_iterators": lambda: _install_epoch_iterators(),
+    "autograph_leaves_tfdp": lambda: _tf_private.patch_autograph_leaves_module("tfdp"),
 }
 _BASE = ("gradients", "zero3_moving_average", "zero3_units", "xla", "random_draws", "fit_input",
-         "device_input", "epoch_iterators")
+         "device_input", "epoch_iterators", "autograph_leaves_tfdp")
 _by_feature: dict = {}  # feature -> ((owner, attribute), ...) it replaced
 
 
