@@ -1,6 +1,8 @@
 """ShardedOptimizer (ZeRO-1): equivalence with the unsharded optimizer, memory, the
 partition rule, and topology-free checkpoints."""
 
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -15,17 +17,28 @@ from helpers import (assert_weights_close, classification_data, cpu_devices, dee
                      mlp, token_data, train)
 
 
+@functools.cache
+def one_device(opt_name):
+    """One device's weights and loss history after 2 epochs of ``deep_mlp`` with ``opt_name``
+    unsharded, from ``initial_weights``: the reference several tests compare with, trained
+    once per module (each run is deterministic, so sharing it changes no assertion)."""
+    x, y = classification_data()
+    model, history = train(None, deep_mlp, OPTIMIZERS[opt_name], x, y, 64,
+                           weights=initial_weights(deep_mlp))
+    return model.get_weights(), history["loss"]
+
+
 @pytest.mark.parametrize("replicas", [2, 4])
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 def test_sharded_equals_unsharded(replicas, opt_name):
     x, y = classification_data()
     w0 = initial_weights(deep_mlp)
     make = OPTIMIZERS[opt_name]
-    ref, ref_hist = train(None, deep_mlp, make, x, y, 64, weights=w0)
+    ref_weights, ref_loss = one_device(opt_name)
     s = tfdp.DataParallelStrategy(devices=cpu_devices(replicas))
     got, hist = train(s, deep_mlp, lambda: tfdp.ShardedOptimizer(make()), x, y, 64, weights=w0)
-    assert_weights_close(got.get_weights(), ref.get_weights())
-    np.testing.assert_allclose(hist["loss"], ref_hist["loss"], rtol=1e-5)
+    assert_weights_close(got.get_weights(), ref_weights)
+    np.testing.assert_allclose(hist["loss"], ref_loss, rtol=1e-5)
     # Every replica holds identical weights after the all-gather.
     for var in got.trainable_variables:
         parts = [np.asarray(p) for p in s.experimental_local_results(var.value)]
@@ -92,13 +105,13 @@ def test_checkpoint_restores_on_another_replica_count(tmp_path, before, after):
     x, y = classification_data()
     w0 = initial_weights(deep_mlp)
     strategy = lambda n: tfdp.DataParallelStrategy(devices=cpu_devices(n))  # noqa: E731
-    reference = _fit_steps(None, x, y, w0, epochs=2, sharded=False)
+    reference, _ = one_device("adam_global_clipnorm")  # = _fit_steps(None, ..., epochs=2)
 
     first = _fit_steps(strategy(before), x, y, w0)
     first.save_weights(tmp_path / "ckpt.weights.h5")
     resumed = _fit_steps(strategy(after), x, y, first.get_weights(),
                          opt_state_from=tmp_path / "ckpt.weights.h5")
-    assert_weights_close(resumed.get_weights(), reference.get_weights())
+    assert_weights_close(resumed.get_weights(), reference)
     # The iteration counters came back too (bias correction depends on them).
     assert int(resumed.optimizer.inner_optimizer.iterations.numpy()) == 8
 
@@ -113,8 +126,8 @@ def test_model_save_and_load_model(tmp_path):
     assert isinstance(loaded.optimizer.inner_optimizer, keras.optimizers.Adam)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(64)
     loaded.fit(ds, epochs=1, verbose=0)
-    reference = _fit_steps(None, x, y, w0, epochs=2, sharded=False)
-    assert_weights_close(loaded.get_weights(), reference.get_weights())
+    reference, _ = one_device("adam_global_clipnorm")  # = _fit_steps(None, ..., epochs=2)
+    assert_weights_close(loaded.get_weights(), reference)
 
 
 def test_config_round_trip():
@@ -175,7 +188,7 @@ def test_bad_usage_is_a_clear_error():
 def test_tf_train_checkpoint_restores_on_another_replica_count(tmp_path, before, after):
     x, y = classification_data()
     w0 = initial_weights(deep_mlp)
-    reference = _fit_steps(None, x, y, w0, epochs=2, sharded=False)
+    reference, _ = one_device("adam_global_clipnorm")  # = _fit_steps(None, ..., epochs=2)
     first = _fit_steps(tfdp.DataParallelStrategy(devices=cpu_devices(before)), x, y, w0)
     path = tf.train.Checkpoint(model=first, optimizer=first.optimizer).save(str(tmp_path / "ckpt"))
 
@@ -187,4 +200,4 @@ def test_tf_train_checkpoint_restores_on_another_replica_count(tmp_path, before,
         opt.build(model.trainable_variables)
     tf.train.Checkpoint(model=model, optimizer=opt).restore(path).assert_existing_objects_matched()
     model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(64), epochs=1, verbose=0)
-    assert_weights_close(model.get_weights(), reference.get_weights())
+    assert_weights_close(model.get_weights(), reference)

@@ -1,6 +1,8 @@
 """ShardedOptimizer with Keras's gradient accumulation and EMA (ZeRO stage 2): equivalence
 with one device, state visible in ``variables``, memory, and checkpoints on update boundaries."""
 
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -31,21 +33,32 @@ def device_index(variable):
     return tf.DeviceSpec.from_string(variable.value.device).device_index
 
 
+@functools.cache
+def one_device(opt_name):
+    """One device's weights and optimizer iterations after 2 epochs of ``deep_mlp`` with
+    ``opt_name`` at K times the micro-batch, from ``initial_weights``: the reference several
+    tests compare with, trained once per module (each run is deterministic)."""
+    x, y = classification_data()
+    model, _ = train(None, deep_mlp, OPTIMIZERS[opt_name], x, y, K * MICRO_BATCH,
+                     weights=initial_weights(deep_mlp))
+    return model.get_weights(), int(model.optimizer.iterations)
+
+
 @pytest.mark.parametrize("replicas", [2, 4])
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 def test_accumulation_equals_one_device_at_k_times_the_batch(replicas, opt_name):
     x, y = classification_data()
     w0 = initial_weights(deep_mlp)
     make = OPTIMIZERS[opt_name]
-    ref, _ = train(None, deep_mlp, make, x, y, K * MICRO_BATCH, weights=w0)
+    ref_weights, ref_iterations = one_device(opt_name)
     s = tfdp.DataParallelStrategy(devices=cpu_devices(replicas))
     got, _ = train(s, deep_mlp, sharded(make, gradient_accumulation_steps=K), x, y, MICRO_BATCH,
                    weights=w0)
-    assert_weights_close(got.get_weights(), ref.get_weights())
+    assert_weights_close(got.get_weights(), ref_weights)
     assert_replicas_identical(s, got)
     opt = got.optimizer
     # Keras's counters: iterations counts updates, the wrapped optimizer's _iterations calls.
-    assert int(opt.iterations) == int(ref.optimizer.iterations) == 8
+    assert int(opt.iterations) == ref_iterations == 8
     assert int(opt.inner_optimizer._iterations.numpy()) == 32
     # ZeRO-2: each accumulator exists once, on its owner's device, and is zero after an update.
     accumulators = opt.inner_optimizer._accumulated_gradients
@@ -60,11 +73,11 @@ def test_local_accumulation_equals_one_device_at_k_times_the_batch(replicas):
     x, y = classification_data()
     w0 = initial_weights(deep_mlp)
     make = OPTIMIZERS["adam_global_clipnorm"]
-    ref, _ = train(None, deep_mlp, make, x, y, K * MICRO_BATCH, weights=w0)
+    ref_weights, _ = one_device("adam_global_clipnorm")
     s = tfdp.DataParallelStrategy(devices=cpu_devices(replicas))
     got, _ = train(s, deep_mlp, sharded(make, "local", gradient_accumulation_steps=K), x, y,
                    MICRO_BATCH, weights=w0)
-    assert_weights_close(got.get_weights(), ref.get_weights())
+    assert_weights_close(got.get_weights(), ref_weights)
     assert_replicas_identical(s, got)
     # "local": the accumulators are full copies on every replica.
     for acc in got.optimizer.inner_optimizer._accumulated_gradients:
@@ -77,11 +90,11 @@ def test_guard_accumulation_changes_the_result():
     x, y = classification_data()
     w0 = initial_weights(deep_mlp)
     make = OPTIMIZERS["adam_global_clipnorm"]
-    ref, _ = train(None, deep_mlp, make, x, y, K * MICRO_BATCH, weights=w0)
+    ref_weights, _ = one_device("adam_global_clipnorm")
     got, _ = train(tfdp.DataParallelStrategy(devices=cpu_devices(4)), deep_mlp, sharded(make), x, y,
                    MICRO_BATCH, weights=w0)
     with pytest.raises(AssertionError):
-        assert_weights_close(got.get_weights(), ref.get_weights())
+        assert_weights_close(got.get_weights(), ref_weights)
 
 
 def test_accumulation_with_a_schedule_and_sparse_gradients_equals_keras():
@@ -406,8 +419,7 @@ def test_sharded_accumulators_checkpoint_even_mid_cycle(tmp_path):
     "local" accumulators the same file loses the other replicas' partial sums."""
     x, y = classification_data()
     w0 = initial_weights(deep_mlp)
-    reference, _ = train(None, deep_mlp, OPTIMIZERS["adam_global_clipnorm"], x, y, K * MICRO_BATCH,
-                         weights=w0)
+    reference, _ = one_device("adam_global_clipnorm")
     head = 14 * MICRO_BATCH
     results = {}
     for mode in ("sharded", "local"):
@@ -431,9 +443,9 @@ def test_sharded_accumulators_checkpoint_even_mid_cycle(tmp_path):
         rest = (np.concatenate([x[head:], x]), np.concatenate([y[head:], y]))
         resumed.fit(tf.data.Dataset.from_tensor_slices(rest).batch(MICRO_BATCH), epochs=1, verbose=0)
         results[mode] = resumed.get_weights()
-    assert_weights_close(results["sharded"], reference.get_weights())
+    assert_weights_close(results["sharded"], reference)
     with pytest.raises(AssertionError):
-        assert_weights_close(results["local"], reference.get_weights())
+        assert_weights_close(results["local"], reference)
 
 
 # --- The exchanges in rounds (issue 33, item 5; tfdp/optimizers/exchange.py) ------------------

@@ -2,6 +2,7 @@
 the parameters and of the optimizer state train like one device on the same global batch,
 hold about 1/N of the bytes, and save and restore whole tensors."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -42,6 +43,15 @@ def train(strategy, model_fn, optimizer_fn, data, weights, epochs=2, **compile_k
     return model
 
 
+@functools.cache
+def one_device(opt_name):
+    """One device's weights after 2 epochs of ``dense_stack`` with ``opt_name`` on
+    ``classification_data()`` from ``initial_weights``: the reference several tests compare
+    with, trained once per module (each run is deterministic)."""
+    return train(None, dense_stack, OPTIMIZERS[opt_name], classification_data(),
+                 initial_weights(dense_stack)).get_weights()
+
+
 def zero3(replicas=4, **kwargs):
     kwargs.setdefault("shard_min_elements", 0)  # every trainable float variable sharded
     return tfdp.DataParallelStrategy(devices=cpu_devices(replicas), shard_parameters=True,
@@ -78,10 +88,10 @@ def test_bad_arguments_name_the_fix():
 def test_sharded_training_equals_one_device_and_variables_are_slices():
     data = classification_data()
     w0 = initial_weights(dense_stack)
-    ref = train(None, dense_stack, OPTIMIZERS["adam_global_clipnorm"], data, w0)
+    ref = one_device("adam_global_clipnorm")
     strategy = zero3()
     model = train(strategy, dense_stack, OPTIMIZERS["adam_global_clipnorm"], data, w0)
-    assert_weights_close(model.get_weights(), ref.get_weights(), atol=1e-6, rtol=1e-5)
+    assert_weights_close(model.get_weights(), ref, atol=1e-6, rtol=1e-5)
     # Every trainable variable is stored as four slices, none of them the whole tensor.
     assert sharded_count(model) == len(model.trainable_variables) == 6
     for variable in model.trainable_variables:
@@ -99,10 +109,10 @@ def test_sharded_training_equals_one_device_and_variables_are_slices():
 def test_every_optimizer_with_sharded_parameters_equals_one_device(opt_name):
     data = classification_data()
     w0 = initial_weights(dense_stack)
-    ref = train(None, dense_stack, OPTIMIZERS[opt_name], data, w0)
+    ref = one_device(opt_name)
     model = train(zero3(), dense_stack, OPTIMIZERS[opt_name], data, w0)
     assert sharded_count(model) == 6
-    assert_weights_close(model.get_weights(), ref.get_weights(), atol=1e-6, rtol=1e-5)
+    assert_weights_close(model.get_weights(), ref, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -167,9 +177,9 @@ def test_jit_compile_true_with_sharded_parameters_equals_one_device():
     data = classification_data()
     w0 = initial_weights(dense_stack)
     opt = OPTIMIZERS["adam_global_clipnorm"]
-    ref = train(None, dense_stack, opt, data, w0)
+    ref = one_device("adam_global_clipnorm")  # not compiled with XLA
     model = train(zero3(), dense_stack, opt, data, w0, jit_compile=True)
-    assert_weights_close(model.get_weights(), ref.get_weights(), atol=1e-6, rtol=1e-5)
+    assert_weights_close(model.get_weights(), ref, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -199,10 +209,10 @@ def test_guard_clipping_with_slice_norms_would_differ(monkeypatch):
     replicas, clip far more weakly than one device does."""
     data = classification_data()
     w0 = initial_weights(dense_stack)
-    ref = train(None, dense_stack, OPTIMIZERS["adam_global_clipnorm"], data, w0)
+    ref = one_device("adam_global_clipnorm")  # before the patch, as one device trains
     monkeypatch.setattr(sharded_parameters, "_sum_over_replicas", lambda value: value)
     model = train(zero3(), dense_stack, OPTIMIZERS["adam_global_clipnorm"], data, w0)
-    gap = max(np.abs(a - b).max() for a, b in zip(model.get_weights(), ref.get_weights()))
+    gap = max(np.abs(a - b).max() for a, b in zip(model.get_weights(), ref))
     assert gap > 1e-4
 
 
@@ -266,7 +276,7 @@ def test_checkpoint_from_four_replicas_restores_on_two_and_continues_like_one_de
     data = classification_data()
     w0 = initial_weights(dense_stack)
     opt = OPTIMIZERS["adam_global_clipnorm"]
-    ref = train(None, dense_stack, opt, data, w0, epochs=2)
+    ref = one_device("adam_global_clipnorm")
     model = train(zero3(4), dense_stack, opt, data, w0, epochs=1)
     path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(tmp_path / "ckpt")
 
@@ -281,7 +291,7 @@ def test_checkpoint_from_four_replicas_restores_on_two_and_continues_like_one_de
     assert_weights_close(resumed.get_weights(), model.get_weights(), atol=0, rtol=0)
     ds = tf.data.Dataset.from_tensor_slices(data).batch(GLOBAL_BATCH)
     resumed.fit(ds, epochs=1, verbose=0)  # the second epoch, on 2 replicas
-    assert_weights_close(resumed.get_weights(), ref.get_weights(), atol=1e-6, rtol=1e-5)
+    assert_weights_close(resumed.get_weights(), ref, atol=1e-6, rtol=1e-5)
 
 
 # --- What cannot be sharded is refused -----------------------------------------------------------
@@ -314,18 +324,17 @@ def test_two_workers_two_replicas_train_like_one_device_and_save_a_plain_keras_f
                         environ, 240)
     assert code == 0, out
     assert "rank 0: 4 replicas, chief=True" in out
-    data = classification_data()
     w0 = initial_weights(dense_stack)
-    ref = train(None, dense_stack, OPTIMIZERS["adam_global_clipnorm"], data, w0)
+    ref = one_device("adam_global_clipnorm")
     for rank in range(2):
         saved = np.load(tmp_path / f"weights-{rank}.npz")
-        assert_weights_close([saved[f"arr_{i}"] for i in range(len(w0))], ref.get_weights(),
+        assert_weights_close([saved[f"arr_{i}"] for i in range(len(w0))], ref,
                              atol=1e-6, rtol=1e-5)
         # Each worker holds 2 slices of each variable, of 1/4 of its elements.
         assert tuple(saved["slice0_0"]) == (shard_layout(8 * 40, 4)[0],)
         assert "slice0_2" not in saved
     loaded = keras.saving.load_model(tmp_path / "model.keras")
-    assert_weights_close(loaded.get_weights(), ref.get_weights(), atol=1e-6, rtol=1e-5)
+    assert_weights_close(loaded.get_weights(), ref, atol=1e-6, rtol=1e-5)
 
 
 # --- The tools' pure parts --------------------------------------------------------------------
