@@ -43,7 +43,7 @@ STUCK = textwrap.dedent("""
 """)
 
 
-def _session(tmp_path, plugin=True, tests=DYING):
+def _session(tmp_path, plugin=True, tests=DYING, select=None):
     (tmp_path / "t").mkdir()
     (tmp_path / "t" / "test_dying.py").write_text(tests)
     (tmp_path / "t" / "pytest.ini").write_text("[pytest]\ntimeout = 60\ntimeout_method = thread\n")
@@ -54,6 +54,8 @@ def _session(tmp_path, plugin=True, tests=DYING):
            "--basetemp", str(tmp_path / "base"), str(tmp_path / "t")]
     if plugin:
         cmd[3:3] = ["-p", "crash_records"]
+    if select:
+        cmd += ["-k", select]
     proc = subprocess.run(cmd, cwd=tmp_path / "t", env=env, capture_output=True, text=True,
                           timeout=180)
     child = tmp_path / "base" / "child.pid"
@@ -76,7 +78,9 @@ def test_a_dead_worker_is_named_with_its_record_and_its_processes_killed(tmp_pat
 
 @pytest.mark.slow
 def test_guard_without_the_plugin_the_crash_says_nothing_and_the_child_lives(tmp_path):
-    out, child = _session(tmp_path, plugin=False)
+    # Only the dying test: without the plugin's watchdog the hung one would wait for
+    # pytest-timeout's 10 s, and this guard asserts nothing about it.
+    out, child = _session(tmp_path, plugin=False, select="test_dies_like_a_preemption_backstop")
     try:
         assert "crashed while running" in out
         assert "no agreed stop within the grace period" not in out

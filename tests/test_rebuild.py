@@ -15,6 +15,7 @@ step, ends within the strategy's timeout with an error that names the worker tha
 Every launch is bounded by a timeout (stacks of every process on expiry), 127.0.0.1 only.
 """
 
+import functools
 import time
 
 import numpy as np
@@ -36,7 +37,9 @@ def launch(tmp_path, **env):
     return run_job(cmd, environ, LAUNCH_TIMEOUT)
 
 
+@functools.cache
 def one_device(epochs):
+    """One device's weights (each run is deterministic: once per module)."""
     x, y = classification_data(n=128)
     model, _ = train(None, mlp, lambda: keras.optimizers.Adam(0.01), x, y, 32, epochs=epochs,
                      weights=initial_weights(mlp))
