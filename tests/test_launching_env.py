@@ -108,3 +108,26 @@ def test_guard_full_finalization_collects_the_cycle_at_exit():
                            env=worker_env(TFDP_TEST_FULL_FINALIZATION=1),
                            timeout=60).stdout.splitlines()
     assert lines == ["True", "own handler ran, frozen: False", "cycle collected"], lines
+
+
+# What the collector does around TensorFlow's import in a process of the session.
+GC_AROUND_IMPORT = """
+import gc
+during = gc.get_threshold()[0]
+import tensorflow
+print(during, gc.get_threshold(), gc.get_freeze_count() > 100_000, sep="|")
+"""
+
+
+def test_worker_processes_skip_tensorflows_import_in_the_collector_and_freeze_it():
+    # While importing: a raised threshold; afterwards Python's own, with the imports frozen.
+    during, after, frozen = run_in_worker_env(GC_AROUND_IMPORT).split("|")
+    default = run_in_worker_env("import gc; print(gc.get_threshold())", env=worker_env(
+        TFDP_TEST_FULL_FINALIZATION=1))
+    assert (during, after, frozen) == ("1000000", default, "True")
+
+
+def test_guard_full_finalization_keeps_the_default_collector_throughout():
+    line = run_in_worker_env(GC_AROUND_IMPORT, env=worker_env(
+        TF_CPP_MIN_LOG_LEVEL=3, TFDP_TEST_FULL_FINALIZATION=1))
+    assert line == "700|(700, 10, 10)|False", line
