@@ -415,15 +415,28 @@ def test_sweep_split_over_shards_merges_into_the_whole_sweep(strategy, digits, t
     options = dict(initial=1, max_points=2)
     whole = str(tmp_path / "whole.jsonl")
     train, trained = _counting_trainer(strategy, digits, setup)
-    large_batch_sweep.Sweep(setup, whole, groups, [0, 1], train, **options).run()
+    results = {}
+
+    def remembering(key):
+        results[key] = train(key)
+        return results[key]
+
+    large_batch_sweep.Sweep(setup, whole, groups, [0, 1], remembering, **options).run()
     keys = sorted(core.record_key(r) for r in core.read_records(whole))
     assert len(keys) == len(trained) == 8
 
     # The same sweep split over two "machines" (shards 0/2 and 1/2), then merged with the CLI.
+    # Each trial a shard asks for is answered with the whole sweep's run of it (trials are
+    # deterministic; a trial the whole sweep did not run is a KeyError here).
     parts = [str(tmp_path / f"part{i}.jsonl") for i in range(2)]
     for i, part in enumerate(parts):
         shard_groups = core.shard_groups(groups, (i, 2))
-        train_i, trained_i = _counting_trainer(strategy, digits, setup)
+        trained_i = []
+
+        def train_i(key, trained_i=trained_i):
+            trained_i.append(key)
+            return results[key]
+
         large_batch_sweep.Sweep(setup, part, shard_groups, [0, 1], train_i, **options).run()
         assert {k[1] for k in trained_i} == {g[1] for g in shard_groups} and len(trained_i) == 4
     merged = str(tmp_path / "merged.jsonl")
