@@ -11,6 +11,7 @@ with one device's from the same initial weights.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import numpy as np
@@ -30,6 +31,12 @@ OPTIMIZERS = {
     "adagrad": lambda: keras.optimizers.Adagrad(0.05),
     "adamw_global_clipnorm": lambda: keras.optimizers.AdamW(0.01, global_clipnorm=0.5),
 }
+
+
+@functools.cache
+def one_device(opt_name):
+    """One device's weights with ``opt_name`` (each run is deterministic: once per module)."""
+    return _train(None, OPTIMIZERS[opt_name]).get_weights()
 
 
 def _train(strategy, make_optimizer, sharded=False, epochs=1):
@@ -111,7 +118,7 @@ def test_whole_tables_are_the_looked_up_matrices_up_to_the_cap():
 def test_dlrm_under_sharded_optimizer_trains_like_one_device(opt_name, path, traced, monkeypatch):
     if path == "rounds":  # as for a table over the cap: rounds of broadcasts, rows scattered
         monkeypatch.setattr(exchange, "_WHOLE_TABLE_MAX_BYTES", 0)
-    reference = _train(None, OPTIMIZERS[opt_name]).get_weights()
+    reference = one_device(opt_name)
     strategy = tfdp.DataParallelStrategy(devices=cpu_devices(4),
                                          bucket_bytes=SMALL_ROUNDS_BUCKET_BYTES)
     model = _train(strategy, OPTIMIZERS[opt_name], sharded=True)
@@ -129,7 +136,7 @@ def test_dlrm_under_sharded_optimizer_trains_like_one_device(opt_name, path, tra
 
 @pytest.mark.slow
 def test_dlrm_under_tfdp_trains_like_one_device():
-    reference = _train(None, OPTIMIZERS["adam"]).get_weights()
+    reference = one_device("adam")
     model = _train(tfdp.DataParallelStrategy(devices=cpu_devices(4)), OPTIMIZERS["adam"])
     assert_weights_close(model.get_weights(), reference)
 
@@ -143,7 +150,7 @@ def test_dlrm_on_two_workers_under_sharded_optimizer_trains_like_one_device(tmp_
     assert code == 0, out
     tables = [int(n) for n in re.findall(r"(\d+) whole-table broadcasts", out)]
     assert tables and min(tables) >= 3, out  # guard: the tables went whole (each worker says)
-    reference = _train(None, OPTIMIZERS["adam"]).get_weights()
+    reference = one_device("adam")
     for rank in range(2):
         saved = dict(np.load(tmp_path / f"weights-{rank}.npz"))
         assert_weights_close([saved[f"arr_{i}"] for i in range(len(reference))], reference)

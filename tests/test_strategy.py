@@ -2,6 +2,7 @@
 users rely on (evaluate/predict, sync BatchNorm, save/load, BackupAndRestore, gradient
 accumulation, buckets, compression)."""
 
+import functools
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -321,6 +322,13 @@ def test_gradient_buckets_launch_last_layers_first(monkeypatch, order):
 
 # --- numerics of buckets and compression -------------------------------------------------
 
+@functools.cache
+def _one_device_fit():
+    """One device's weights and history of ``_run_fit`` on ``classification_data()`` from
+    ``initial_weights(mlp)`` (each run is deterministic: once per module)."""
+    return _run_fit(None, *classification_data(), initial_weights(mlp))
+
+
 def _run_fit(strategy, x, y, weights, epochs=2):
     opt = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
     model, history = train(strategy, mlp, opt, x, y, 64, weights=weights, epochs=epochs)
@@ -331,7 +339,7 @@ def _run_fit(strategy, x, y, weights, epochs=2):
 def test_bucket_sizes_do_not_change_results(bucket_bytes):
     x, y = classification_data()
     w0 = initial_weights(mlp)
-    ref, _ = _run_fit(None, x, y, w0)
+    ref, _ = _one_device_fit()
     got, _ = _run_fit(tfdp.DataParallelStrategy(devices=cpu_devices(4),
                                                 bucket_bytes=bucket_bytes), x, y, w0)
     assert_weights_close(got, ref)
@@ -341,7 +349,7 @@ def test_bucket_sizes_do_not_change_results(bucket_bytes):
 def test_compression_stays_within_dtype_tolerance(compression, tol):
     x, y = classification_data()
     w0 = initial_weights(mlp)
-    ref, ref_hist = _run_fit(None, x, y, w0)
+    ref, ref_hist = _one_device_fit()
     got, hist = _run_fit(tfdp.DataParallelStrategy(devices=cpu_devices(4),
                                                    compression=compression), x, y, w0)
     scale = max(np.abs(w).max() for w in ref)
