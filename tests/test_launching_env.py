@@ -4,6 +4,7 @@ own import and no test uses through Keras stay unimported (tests/hidden_imports)
 the suite's few hundred processes starts about 1.5 s of CPU sooner; they are hidden from Keras's
 import only, and everyone else (the examples' scikit-learn, the tools' plots) gets the real one."""
 
+import gc
 import os
 import subprocess
 import sys
@@ -120,14 +121,13 @@ print(during, gc.get_threshold(), gc.get_freeze_count() > 100_000, sep="|")
 
 
 def test_worker_processes_skip_tensorflows_import_in_the_collector_and_freeze_it():
-    # While importing: a raised threshold; afterwards Python's own, with the imports frozen.
-    during, after, frozen = run_in_worker_env(GC_AROUND_IMPORT).split("|")
-    default = run_in_worker_env("import gc; print(gc.get_threshold())", env=worker_env(
-        TFDP_TEST_FULL_FINALIZATION=1))
-    assert (during, after, frozen) == ("1000000", default, "True")
+    # While importing: a raised threshold; afterwards Python's own (this process's: it either
+    # never ran the stand-in or had them restored), with the imports frozen.
+    line = run_in_worker_env(GC_AROUND_IMPORT)
+    assert line == f"1000000|{gc.get_threshold()}|True", line
 
 
 def test_guard_full_finalization_keeps_the_default_collector_throughout():
     line = run_in_worker_env(GC_AROUND_IMPORT, env=worker_env(
         TF_CPP_MIN_LOG_LEVEL=3, TFDP_TEST_FULL_FINALIZATION=1))
-    assert line == "700|(700, 10, 10)|False", line
+    assert line == f"{gc.get_threshold()[0]}|{gc.get_threshold()}|False", line

@@ -3,6 +3,7 @@ users rely on (evaluate/predict, sync BatchNorm, save/load, BackupAndRestore, gr
 accumulation, buckets, compression)."""
 
 import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -652,36 +653,6 @@ def test_take_back_sigterm_reinstalls_the_handler_a_c_library_replaced():
         signal.signal(signal.SIGTERM, previous)
 
 
-def test_tfdps_own_functions_are_not_converted_by_autograph(monkeypatch):
-    """tfdp's internal tf.functions (the workers' agreement, ZeRO's gathers) branch on no
-    tensor and are built with autograph=False: autograph would otherwise convert tfdp's
-    strategy.run and every helper it calls, once per process (0.5 s of CPU at a worker's
-    first agreement, measured with py-spy). Guard: with autograph on, the same function is
-    converted."""
-    from tensorflow.python.autograph.pyct import transpiler
-
-    from tfdp.strategy import agreement
-
-    converted = []
-    transform = transpiler.GenericTranspiler.transform_function
-
-    def counting(self, fn, *args, **kwargs):
-        converted.append(getattr(fn, "__qualname__", repr(fn)))
-        return transform(self, fn, *args, **kwargs)
-
-    monkeypatch.setattr(transpiler.GenericTranspiler, "transform_function", counting)
-    strategy = tfdp.DataParallelStrategy([f"/device:CPU:{i}" for i in range(2)])
-    summing = agreement._summing_function(strategy)
-    values = tf.constant([1.0, 2.0], tf.float64)
-    summed = strategy.experimental_local_results(summing(values))
-    assert [v.numpy().tolist() for v in summed] == [[1.0, 2.0]] * 2  # replica 0's values
-    assert converted == []
-    # The guard: with autograph on, the same function is converted (and, in a fresh process,
-    # tfdp's strategy.run and its helpers; autograph remembers what it converted before).
-    tf.function(summing.python_function)(values)
-    assert "_summing_function.<locals>.fn" in converted, converted
-
-
 def _fresh_autograph(monkeypatch):
     """AutoGraph as in a new process (it remembers what it converted and what it let through),
     with every function it converts recorded as ``(module, qualified name)``."""
@@ -699,6 +670,25 @@ def _fresh_autograph(monkeypatch):
 
     monkeypatch.setattr(transpiler.GenericTranspiler, "transform_function", recording)
     return converted
+
+
+def test_tfdps_own_functions_are_not_converted_by_autograph(monkeypatch):
+    """tfdp's internal tf.functions (the workers' agreement, ZeRO's gathers) branch on no
+    tensor and are built with autograph=False: autograph would otherwise convert them, and
+    tfdp's strategy.run and every helper they call, once per process (0.5 s of CPU at a
+    worker's first agreement, measured with py-spy). Guard: with autograph on, the same
+    function is converted."""
+    from tfdp.strategy import agreement
+
+    converted = _fresh_autograph(monkeypatch)
+    strategy = tfdp.DataParallelStrategy([f"/device:CPU:{i}" for i in range(2)])
+    summing = agreement._summing_function(strategy)
+    values = tf.constant([1.0, 2.0], tf.float64)
+    summed = strategy.experimental_local_results(summing(values))
+    assert [v.numpy().tolist() for v in summed] == [[1.0, 2.0]] * 2  # replica 0's values
+    assert converted == []
+    tf.function(summing.python_function)(values)  # the guard: autograph on
+    assert "_summing_function.<locals>.fn" in [name for _, name in converted], converted
 
 
 def _custom_loop_step(strategy):

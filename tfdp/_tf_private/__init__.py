@@ -193,7 +193,8 @@ __all__ = [
     "KERAS_SHAPED_DRAWS", "KERAS_INPUT_DRAWS", "patch_keras_random", "keras_draw_seed",
     "drawn_seed", "convert_like_strategy_run",
     # distribute
-    "patch_autograph_leaves_module", "CollectiveAllReduceExtended", "StrategyBase", "DistributedValues", "SingleDevice",
+    "patch_autograph_leaves_module",
+    "CollectiveAllReduceExtended", "StrategyBase", "DistributedValues", "SingleDevice",
     "EXTENDED_HOOKS", "COLLECTIVE_OP_FUNCTIONS", "set_collective_key_base",
     "extended_num_workers", "communication_options", "map_distributed", "in_xla_context",
     "all_to_all", "collective_launchers", "all_gather", "broadcast", "all_reduce", "add_control_input", "local_replica_id",

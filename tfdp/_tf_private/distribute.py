@@ -277,7 +277,7 @@ def patch_autograph_leaves_module(prefix: str) -> None:
     the caller's AutoGraph status unchanged, as it calls TensorFlow's and Keras's."""
     rules = _get(_autograph_config, "CONVERSION_RULES", "leaving tfdp's code to AutoGraph")
     if any(isinstance(rule, _autograph_config.DoNotConvert) and rule.matches(prefix)
-           and rule.matches(prefix + ".x") for rule in rules):
+           for rule in rules):
         return
     _replace(_autograph_config, "CONVERSION_RULES",
              (_autograph_config.DoNotConvert(prefix),) + tuple(rules),
