@@ -253,6 +253,18 @@ def test_keras_trainer_patches_are_installed_and_wrap_keras():
         assert method.__wrapped__.__module__.startswith("keras."), name
 
 
+def test_traced_function_names_follow_the_uid_counter_that_align_advances():
+    # XLA's persistent cache keys an entry by the function's name __inference_<name>_<uid>
+    # (tfdp._tf_private.compile_cache): after align, the next traced function's uid is fixed.
+    import tensorflow as tf
+
+    aligned = _tf_private.align_function_names(block=1 << 10)
+    assert aligned % (1 << 10) == 0
+    concrete = tf.function(lambda x: x + 1).get_concrete_function(tf.TensorSpec([], tf.float32))
+    uid = int(concrete.name.decode().rsplit("_", 1)[1])
+    assert aligned < uid < aligned + 1 << 10, (aligned, concrete.name)
+
+
 def test_coordination_service_key_value_calls_exist():
     # Exercised for real by tests/test_xla.py's two-worker run (devices.exchange_gpu_placements).
     context = _tf_private._eager_context.context()
@@ -439,7 +451,8 @@ def test_autograph_user_function_converts_beneath_do_not_convert():
 # --- the package by area and its patch registry (issue 31 item 2) ---------------------------
 
 AREAS = ("core", "distribute", "data", "coordination", "keras_trainer", "keras_optimizer",
-         "keras_random", "keras_saving", "gradients", "sharded_variable", "profiler")
+         "keras_random", "keras_saving", "gradients", "sharded_variable", "profiler",
+         "compile_cache")
 
 
 def _python(code: str) -> str:

@@ -10,6 +10,7 @@ LAMB, ShardedOptimizer, schedules) for ``keras.models.load_model``.
 """
 
 import importlib as _importlib
+import os as _os
 import sys as _sys
 
 from tfdp.cluster import ClusterConfig, ClusterConfigError
@@ -60,6 +61,23 @@ def __getattr__(name):
 def __dir__():
     return sorted(set(globals()) | set(__all__))
 
+
+def _configure_compile_cache():
+    """XLA's persistent compilation cache (tfdp.resilience.compile_cache), decided before
+    TensorFlow initialises its devices: it reads TF_XLA_FLAGS then, once."""
+    from tfdp.resilience import compile_cache
+    started = False
+    if _sys.modules.get("tensorflow") is not None:
+        from tfdp import _tf_private
+        started = _tf_private.eager_context_initialized()
+    if not started:
+        compile_cache.configure()
+    elif compile_cache.resolve(_os.environ).directory is not None:
+        compile_cache.log.info("tfdp: XLA compile cache not on: TensorFlow initialised its "
+                               "devices before tfdp was imported.")
+
+
+_configure_compile_cache()
 
 if _sys.modules.get("keras") is not None or _sys.modules.get("tensorflow") is not None:
     _load_tensorflow_side()

@@ -19,6 +19,13 @@ Environment variables the launcher sets for each worker
     ``TFDP_GRACE_SECONDS``     the preemption grace period the launcher grants after SIGTERM.
     ``TFDP_CPU_REPLICAS``      ``--cpu-replicas K``: ``DataParallelStrategy()`` splits the CPU
                                into K logical replicas.
+    ``TFDP_COMPILE_CACHE``     where XLA's compiled programs are kept across restarts and
+                               relaunches (``--compile-cache``; default
+                               ``$XDG_CACHE_HOME/tfdp/xla``, i.e. ``~/.cache/tfdp/xla``), or
+                               ``off``; a value already in tfdp-run's environment is kept.
+                               Read by ``import tfdp`` before TensorFlow initialises its
+                               devices (tfdp.resilience.compile_cache); a ``TF_XLA_FLAGS`` that
+                               names ``--tf_xla_persistent_cache_directory`` wins.
     ``HOROVOD_RANK``, ``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK``, ``HOROVOD_LOCAL_SIZE``,
     ``HOROVOD_CROSS_RANK``, ``HOROVOD_CROSS_SIZE``, and ``OMPI_COMM_WORLD_RANK``, ``_SIZE``,
     ``_LOCAL_RANK``, ``_LOCAL_SIZE``
@@ -34,6 +41,10 @@ Environment variables the user may set
                                under tfdp-run on one machine, the job's own directory (removed
                                when the job ends); else a private temporary directory
                                (tfdp.horovod.elastic).
+    ``TFDP_COMPILE_CACHE``     also outside tfdp-run: a directory, or ``off`` (then not even a
+                               ``BackupAndRestore`` created early puts one beside its backups).
+    ``TFDP_COMPILE_CACHE_MAX_MB`` the cache's size bound (default 4096): the oldest entries
+                               are evicted when a worker starts.
     ``TFDP_ORDERLY_EXIT``      ``0`` turns off the workers' exit barrier (tfdp.strategy.lifecycle).
     ``TFDP_PORT_BASE``         the first of the ports workers listen on when tfdp builds the
                                cluster itself (Slurm, SageMaker's ``SM_HOSTS``; tfdp.cluster.slurm).
@@ -79,7 +90,8 @@ __all__ = [
     "READY_FILE_ENV", "RANK_ENV", "SLOT_ENV", "ATTEMPT_ENV", "CONTROL_DIR_ENV",
     "MIN_WORKERS_ENV", "RESTARTS_LEFT_ENV", "GRACE_ENV", "CPU_REPLICAS_ENV", "ORDERLY_EXIT_ENV",
     "EVICT_FILE", "progress_file", "DEFAULT_GRACE_SECONDS", "PORT_BASE_ENV",
-    "EVICT_EXIT_CODE_ENV", "PREEMPTION_SIGNALS_ENV", "ELASTIC_DIR_ENV", "restart_requested_exit_code",
+    "EVICT_EXIT_CODE_ENV", "PREEMPTION_SIGNALS_ENV", "ELASTIC_DIR_ENV", "COMPILE_CACHE_ENV",
+    "COMPILE_CACHE_MAX_MB_ENV", "default_compile_cache_dir", "restart_requested_exit_code",
     "EXIT_RESTART_REQUESTED", "EXIT_TIMEOUT", "EXIT_NEVER_JOINED", "EXIT_CANNOT_START",
     "EXIT_INTERRUPTED", "EXIT_PREEMPTED", "EXIT_TERMINATED", "EXIT_HOST_UNREACHABLE",
     "exit_code_of", "describe_exit",
@@ -99,6 +111,8 @@ PORT_BASE_ENV = "TFDP_PORT_BASE"
 EVICT_EXIT_CODE_ENV = "TFDP_EVICT_EXIT_CODE"
 PREEMPTION_SIGNALS_ENV = "TFDP_PREEMPTION_SIGNALS"
 ELASTIC_DIR_ENV = "TFDP_ELASTIC_DIR"
+COMPILE_CACHE_ENV = "TFDP_COMPILE_CACHE"
+COMPILE_CACHE_MAX_MB_ENV = "TFDP_COMPILE_CACHE_MAX_MB"
 
 EVICT_FILE = "evict.json"
 
@@ -142,6 +156,16 @@ def restart_requested_exit_code(environ=None) -> int:
         raise ValueError(f"{EVICT_EXIT_CODE_ENV}={text!r} is not an exit code from 1 to 255. "
                          f"Fix: unset it (code {EXIT_RESTART_REQUESTED}) or give e.g. 200.")
     return int(text)
+
+
+def default_compile_cache_dir(environ=None) -> str:
+    """tfdp-run's default ``TFDP_COMPILE_CACHE``: ``$XDG_CACHE_HOME/tfdp/xla`` (XDG's default
+    ``~/.cache``). Per user, so every relaunch of a job finds it; entries are named by what
+    makes them valid (tfdp.resilience.compile_cache), so jobs can share it."""
+    environ = os.environ if environ is None else environ
+    home = environ.get("HOME") or os.path.expanduser("~")
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache")
+    return os.path.join(base, "tfdp", "xla")
 
 
 def exit_code_of(returncode: int) -> int:

@@ -12,6 +12,8 @@ Env knobs (all optional except TFDP_TEST_OUT):
   TFDP_TEST_SAVE_FREQ     integer steps or "epoch" (default 5)
   TFDP_TEST_EPOCHS, TFDP_TEST_N, TFDP_TEST_GLOBAL_BATCH, TFDP_TEST_SHUFFLE ("1")
   TFDP_TEST_OPT           adam | sharded_adam | sgd
+  TFDP_TEST_JIT           "1": model.compile(jit_compile=True), and tfdp's INFO lines on stderr
+                          (the first step's XLA compile cache line)
   TFDP_TEST_HOLD          "slot:iteration": in attempt 0, that slot's worker writes OUT/held-<slot>
                           (its pid) before that step and waits until it has received SIGTERM
                           (so the step carries the stop flag in its gradient reduction and
@@ -69,6 +71,10 @@ save_freq = os.environ.get("TFDP_TEST_SAVE_FREQ", "5")
 save_freq = save_freq if save_freq == "epoch" else int(save_freq)
 pace = float(os.environ.get("TFDP_TEST_PACE_MS", "0")) / 1000.0
 
+if os.environ.get("TFDP_TEST_JIT"):
+    import logging  # noqa: E402
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("tfdp").setLevel(logging.INFO)
 strategy = tfdp.DataParallelStrategy()
 rank = strategy.cluster.rank
 print(f"slot {slot} rank {rank} attempt {attempt}: {strategy.cluster.num_workers} workers, "
@@ -126,7 +132,8 @@ with strategy.scope():
         model.build((None, x.shape[1]))
     model.set_weights(w0)
     model.compile(optimizer=optimizer(),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=bool(os.environ.get("TFDP_TEST_JIT")))
 
 x_shape = x.shape[1:]
 source = tf.data.Dataset.from_tensor_slices((x, y))

@@ -19,6 +19,7 @@ The areas:
 * ``data``: tf.data internals: a distributed dataset's cardinality and end-of-data agreement,
   dataset ops' flat types, AutoGraph for a user's pipeline function.
 * ``coordination``: TensorFlow's coordination service (key-value store, barrier).
+* ``compile_cache``: the names traced functions get (the keys of XLA's persistent cache).
 * ``keras_trainer``: Keras's trainer: tfdp's XLA step patches, pieces of Keras's train step,
   the epochs of a resumed job.
 * ``keras_optimizer``: Keras's TensorFlow optimizer backend: gradient-reduction and
@@ -90,6 +91,7 @@ from tfdp._tf_private.data import (
     set_distributed_dataset_cardinality,
     skip_end_of_data_agreement,
 )
+from tfdp._tf_private.compile_cache import align_function_names
 from tfdp._tf_private.coordination import (
     COLLECTIVE_RUNTIME_CONTEXT_METHODS,
     _eager_context,
@@ -209,7 +211,7 @@ __all__ = [
     "publish_to_coordination_service", "read_from_coordination_service",
     "delete_from_coordination_service",
     "coordination_service_configured", "wait_at_coordination_barrier",
-    "COLLECTIVE_RUNTIME_CONTEXT_METHODS", "eager_context_initialized",
+    "COLLECTIVE_RUNTIME_CONTEXT_METHODS", "eager_context_initialized", "align_function_names",
     "preconfigure_collective_runtime", "reuse_running_collective_server",
     # keras_trainer
     "patch_keras_fit", "patch_keras_auto_jit_compile", "patch_keras_step_functions", "keras_make_step_function",

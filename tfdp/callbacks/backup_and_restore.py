@@ -21,7 +21,7 @@ from tfdp.callbacks import _running
 from tfdp.callbacks.chief import cluster_of, write_path
 from tfdp.callbacks.dataset_epoch import prepare_next_epoch
 from tfdp.protocol import EXIT_PREEMPTED, restart_requested_exit_code
-from tfdp.resilience import backups, elastic
+from tfdp.resilience import backups, compile_cache, elastic
 from tfdp.strategy.agreement import Agreement
 from tfdp.resilience.preemption import PreemptionWatcher, StopAgreement
 from tfdp.resilience.preemption import preemption_signals as resolve_preemption_signals
@@ -163,6 +163,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._restart_request = None
         self.restored_step = None  # global step of the backup this run resumed from
         self.last_backup_seconds = None
+        # XLA's compiled programs beside the backups, when TensorFlow has not read its flags
+        # yet (otherwise TFDP_COMPILE_CACHE / tfdp-run decide: tfdp.resilience.compile_cache).
+        compile_cache.configure_beside_backups(self.backup_dir,
+                                               _tf_private.eager_context_initialized())
+        self._first_step = None
 
     def get_config(self):
         return {"backup_dir": self.backup_dir, "save_freq": self.save_freq,
@@ -208,9 +213,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._watcher = PreemptionWatcher(self.grace_seconds, signals=self.preemption_signals)
         self._watcher.install()
         self._stop = StopAgreement(self._watcher, self._agreement, self.check_every, strategy)
+        if compile_cache.active() is not None:
+            # The step's functions get the same names (XLA's cache keys) in every attempt,
+            # whether or not a backup was restored first.
+            _tf_private.align_function_names()
         if self._num_workers > 1:  # a step traced before would not carry the stop flag
             self.model.make_train_function(force=True)
         _running.set_backup(self)
+        self._first_step = compile_cache.FirstStep()  # says where its XLA programs came from
+        self._first_step.begin()
         # A fit left by an exception (the preemption's own SystemExit included) gets no
         # on_train_end: without this the process would keep our SIGTERM handler and a live
         # backstop timer, which ends the process with os._exit once its grace period passes.
@@ -260,6 +271,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         if not self._marked:
             elastic.mark_progress(self._rank)
             self._marked = True
+            if self._first_step is not None:
+                self._first_step.end()
         if self._stop_agreed is None and self._stop.stop_after(self._global_step):
             self._stop_agreed = "preempted"
         if self._stop_agreed is None and self._restart_request is not None:

@@ -74,10 +74,11 @@ from tfdp.launcher import policy as restart_policy
 from tfdp.launcher import processes
 from tfdp.launcher.hosts import ranks_by_host, slot_hosts
 from tfdp.launcher.processes import Attempt, SshConfig, WorkerLog, free_ports
-from tfdp.protocol import (CPU_REPLICAS_ENV, DEFAULT_GRACE_SECONDS, EVICT_FILE,
+from tfdp.protocol import (COMPILE_CACHE_ENV, CPU_REPLICAS_ENV, DEFAULT_GRACE_SECONDS, EVICT_FILE,
                            EXIT_CANNOT_START, EXIT_INTERRUPTED, EXIT_NEVER_JOINED,
                            EXIT_PREEMPTED, EXIT_TERMINATED, EXIT_TIMEOUT, GRACE_ENV,
-                           MIN_WORKERS_ENV, RESTARTS_LEFT_ENV, describe_exit,
+                           MIN_WORKERS_ENV, RESTARTS_LEFT_ENV, default_compile_cache_dir,
+                           describe_exit,
                            restart_requested_exit_code)
 
 __all__ = ["main", "parse_args", "free_ports", "tf_configs", "Attempt", "Launcher",
@@ -115,12 +116,14 @@ class Launcher:
         log_dir: where worker logs go; None: a fresh temporary directory.
         pass_env: more variable names remote workers get.
         tf_cpp_logs: let workers print TensorFlow's C++ INFO lines.
+        compile_cache: ``TFDP_COMPILE_CACHE`` for the workers (a directory or ``"off"``);
+            None: the environment's, else ``tfdp.protocol.default_compile_cache_dir()``.
         verbose: log every worker's rank, slot, host and address at each attempt.
     """
 
     def __init__(self, command, policy, cpu_replicas=None, grace_seconds=DEFAULT_GRACE_SECONDS,
                  env=None, out=None, *, hosts=None, ssh=None, output="chief", log_dir=None,
-                 pass_env=(), tf_cpp_logs=False, verbose=False):
+                 pass_env=(), tf_cpp_logs=False, verbose=False, compile_cache=None):
         if output not in ("chief", "all"):
             raise ValueError(f"output={output!r}: use 'chief' or 'all'")
         self.command = list(command)
@@ -135,6 +138,10 @@ class Launcher:
             self.env.setdefault(TF_CPP_LOG_ENV, TF_CPP_QUIET)
         if cpu_replicas:
             self.env[CPU_REPLICAS_ENV] = str(cpu_replicas)
+        # XLA's compiled programs survive restarts (tfdp.resilience.compile_cache).
+        if compile_cache:
+            self.env[COMPILE_CACHE_ENV] = compile_cache
+        self.env.setdefault(COMPILE_CACHE_ENV, default_compile_cache_dir(self.env))
         # Workers ask for a restart without a worker with this code (75 unless
         # TFDP_EVICT_EXIT_CODE says otherwise); ValueError names a bad value.
         self.restart_code = restart_requested_exit_code(self.env)
@@ -448,7 +455,8 @@ def main(argv=None) -> int:
     launcher = Launcher(args.command, policy, cpu_replicas=args.cpu_replicas,
                         grace_seconds=args.grace_period, env=env, hosts=args.host_list, ssh=ssh,
                         output=args.output, log_dir=args.log_dir, pass_env=args.env_names,
-                        tf_cpp_logs=args.tf_cpp_logs, verbose=args.verbose)
+                        tf_cpp_logs=args.tf_cpp_logs, verbose=args.verbose,
+                        compile_cache=args.compile_cache)
     for note in args.notes:
         launcher.log(note)
     code = launcher.run(timeout=args.timeout, start_timeout=args.start_timeout)
