@@ -108,10 +108,12 @@ from tfdp._tf_private.keras_trainer import (
     keras_call_has_training_arg,
     keras_compute_loss,
     keras_epoch_length,
+    keras_iterators_before_epoch,
     keras_loss_tracker,
     keras_make_step_function,
     keras_model_supports_jit,
     patch_keras_auto_jit_compile,
+    make_draws_of_iterators,
     patch_keras_epoch_iterators,
     patch_keras_symbolic_build,
     patch_keras_step_functions,
@@ -205,6 +207,7 @@ __all__ = [
     "set_distributed_dataset_cardinality", "skip_end_of_data_agreement",
     "end_of_data_agreement", "dataset_flat_types_and_shapes", "autograph_user_function",
     "patch_device_datasets_without_autotune", "patch_per_device_generators_traced_once",
+    "make_draws_of_iterators",
     "patch_keras_epoch_iterators",
     "patch_keras_symbolic_build",
     # coordination
@@ -217,7 +220,7 @@ __all__ = [
     "patch_keras_fit", "patch_keras_auto_jit_compile", "patch_keras_step_functions", "keras_make_step_function",
     "keras_model_supports_jit", "keras_compute_loss", "keras_call_has_training_arg",
     "keras_loss_tracker", "unscale_loss_for_distribution", "set_keras_epoch_length",
-    "keras_epoch_length", "set_keras_initial_epoch",
+    "keras_epoch_length", "keras_iterators_before_epoch", "set_keras_initial_epoch",
     # gradients
     "GATHER_GRADIENT_OPS", "lookup_ids",
     # profiler

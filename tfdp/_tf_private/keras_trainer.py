@@ -233,9 +233,50 @@ def patch_keras_symbolic_build(applies) -> None:
 # short epoch. No public API controls when Keras makes iterators. Where the one made after the
 # last step is never used (no ``steps_per_epoch``), the patch gives Keras an empty placeholder
 # instead; with ``steps_per_epoch`` Keras uses that iterator for the next epoch, and nothing
-# changes. ``applies(epoch_iterator)`` limits it to tfdp's strategies. (A reshuffling
-# ``shuffle`` draws one order per iterator made, so its later epochs now come one draw earlier.)
+# changes. ``applies(epoch_iterator)`` limits it to tfdp's strategies.
+#
+# Why (draws): every iterator made of a ``tf.data.Dataset`` draws the seeds of its random
+# stages (a reshuffling ``shuffle``, seeded or not, random maps) from generators the dataset
+# holds, so which order epoch e sees depends on how many iterators were made before it. One
+# device makes two per epoch; without the unused one every later epoch of tfdp came one draw
+# early, in an order one device never trains on (issue 56). So the placeholder still makes the
+# unused iterator's draw, on the host: an iterator of the dataset ``fit`` was given (the
+# distributed pipeline is built on that same dataset and shares its generators), made and
+# dropped before any element is read, which is cheap (no per-device functions, no buffer
+# filled). A ``DistributedDataset`` (``tfdp.data``: its order is a function of (seed, epoch))
+# needs no draw.
 _UNUSED_NEXT = "_tfdp_next_iterator_unused"
+
+
+def keras_iterators_before_epoch(epochs_done: int, known_length: bool, steps_per_epoch) -> int | None:
+    """How many iterators of its dataset Keras's ``fit`` on one device has made when it starts
+    its epoch ``epochs_done`` (counted from the ``fit`` call's first epoch): two per epoch of
+    known length (the epoch's own and the unused one after it); an epoch of unknown length makes
+    one and teaches Keras the length, so the first counts one. None with ``steps_per_epoch``:
+    one iterator runs on across epochs, and where it stands is not a number of draws."""
+    if steps_per_epoch:
+        return None
+    if epochs_done <= 0:
+        return 0
+    return 2 * epochs_done if known_length else 2 * epochs_done - 1
+
+
+def make_draws_of_iterators(dataset, count: int) -> None:
+    """Makes and drops ``count`` iterators of ``dataset`` (a plain ``tf.data.Dataset``; anything
+    else is left alone) without reading an element: the seed draws of ``count`` iterators,
+    so the next iterator sees the order it would after them (see the note above)."""
+    import tensorflow as tf
+
+    if not isinstance(dataset, tf.data.Dataset) or count <= 0:
+        return
+    if dataset.options().autotune.enabled is None:
+        # No autotune model thread for an iterator that lives for a moment (its destructor
+        # can wait out the thread's period: tfdp/strategy/source_pipeline.py).
+        options = tf.data.Options()
+        options.autotune.enabled = False
+        dataset = dataset.with_options(options)
+    for _ in range(count):
+        iter(dataset)
 
 
 def patch_keras_epoch_iterators(applies) -> None:
@@ -264,6 +305,7 @@ def patch_keras_epoch_iterators(applies) -> None:
     def make_get_iterator(original):
         def get_iterator(self):
             if vars(self).pop(_UNUSED_NEXT, False):
+                make_draws_of_iterators(self.data_adapter.get_tf_dataset(), 1)
                 return ()
             return original(self)
 

@@ -227,6 +227,20 @@ class BackupAndRestore(keras.callbacks.Callback):
         # backstop timer, which ends the process with os._exit once its grace period passes.
         keras_integration.at_fit_exit(self.model, self._release_signals)
 
+    def _draw_orders_before(self, epoch):
+        """A resumed job's first epoch, on a plain ``tf.data.Dataset``: its random stages (a
+        reshuffling ``shuffle``) draw their seeds once per iterator, and a relaunched process
+        starts from the first draw. Making (and dropping) the iterators the uninterrupted
+        ``fit`` made before this epoch gives this epoch the order it had there."""
+        running = keras_integration.fit_input(self.model)
+        if running is None or running[0] is not self._data:
+            return
+        _, steps_per_epoch, initial_epoch = running
+        known = _tf_private.keras_epoch_length(self._data) is not None
+        draws = _tf_private.keras_iterators_before_epoch(
+            epoch - (initial_epoch or 0), known, steps_per_epoch)
+        _tf_private.make_draws_of_iterators(self._data, draws or 0)
+
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         offset = 0
@@ -243,6 +257,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                 self._data.set_position(epoch, 0)
         elif self._data is not None and hasattr(self._data, "set_epoch"):
             self._data.set_epoch(epoch)
+        elif self._resume is not None and epoch == self._resume.epoch:
+            self._draw_orders_before(epoch)
         if offset and not positioned:
             warnings.warn(
                 f"tfdp BackupAndRestore: resuming epoch {epoch} after step {offset}, but {why_not}, "

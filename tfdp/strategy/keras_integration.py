@@ -44,6 +44,7 @@ not Keras's and lives apart, in ``tfdp.strategy.lifecycle``.
 from __future__ import annotations
 
 import functools
+import inspect
 
 from tfdp import _tf_private
 from tfdp.strategy import (chief_writes, consensus, gradient_hooks, is_data_parallel,
@@ -154,11 +155,14 @@ def install_fit_input() -> None:
     """Makes ``fit_input(model)`` answer while ``model.fit`` runs (idempotent)."""
 
     def make_fit(original):
+        signature = inspect.signature(original)
+
         @functools.wraps(original)
         def fit(self, *args, **kwargs):
-            x = kwargs["x"] if "x" in kwargs else (args[0] if args else None)
+            call = signature.bind(self, *args, **kwargs).arguments
+            running = (call.get("x"), call.get("steps_per_epoch"), call.get("initial_epoch", 0))
             outer = vars(self).get(_FIT_INPUT), vars(self).get(_FIT_EXIT)
-            object.__setattr__(self, _FIT_INPUT, (x,))  # past Keras's attribute tracking
+            object.__setattr__(self, _FIT_INPUT, running)  # past Keras's attribute tracking
             object.__setattr__(self, _FIT_EXIT, [])
             try:
                 return original(self, *args, **kwargs)
@@ -201,6 +205,7 @@ def at_fit_exit(model, hook) -> bool:
 
 
 def fit_input(model):
-    """``(x,)`` of the ``fit`` call running on ``model`` (the dataset it trains on), or None
-    outside ``fit`` (or before ``install_fit_input``)."""
+    """``(x, steps_per_epoch, initial_epoch)`` of the ``fit`` call running on ``model`` (the
+    dataset it trains on and how its epochs are laid out), or None outside ``fit`` (or before
+    ``install_fit_input``)."""
     return vars(model).get(_FIT_INPUT) if model is not None else None
