@@ -59,13 +59,18 @@ def hide_keras_optional(environ):
 def worker_env(**extra):
     """This process's environment for a job: tests/, the repository root and tools/ on
     ``PYTHONPATH`` after tests/hidden_imports (see HIDDEN_IMPORTS), as pyproject.toml gives
-    pytest, ``TF_CONFIG`` removed, and ``extra`` added (values as strings)."""
+    pytest, ``TF_CONFIG`` removed, ``TFDP_COMPILE_CACHE=off`` unless set (below), and
+    ``extra`` added (values as strings)."""
     env = dict(os.environ)
     env.pop("TF_CONFIG", None)
     paths = [TESTS, ROOT, os.path.join(ROOT, "tools")] + (
         [env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     hide_keras_optional(env)
+    # tfdp-run's XLA compile cache defaults to one per user (~/.cache/tfdp/xla): jobs of the
+    # suite would share compiled programs through it, and a test's outcome would depend on
+    # what ran before it. Off unless a test chooses a directory (tests/test_compile_cache.py).
+    env.setdefault("TFDP_COMPILE_CACHE", "off")
     env.update({name: str(value) for name, value in extra.items()})
     return env
 
