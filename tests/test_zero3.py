@@ -16,7 +16,7 @@ import tfdp
 from helpers import (assert_weights_close, classification_data, cpu_devices, image_data,
                      initial_weights, token_data)
 from launching import run_job, tfdp_run_command, worker_env, worker_script
-from tfdp.strategy import sharded_parameters
+from tfdp.strategy import sharded_parameters, sharded_units, xla
 from tfdp.strategy.sharded_parameters import owner_of, shard_layout
 from zero3_cases import MODELS, OPTIMIZERS, compile_for, dense_stack
 
@@ -172,14 +172,44 @@ def test_dropout_and_a_custom_loop_with_sharded_parameters_equal_one_device():
     assert_weights_close(net.get_weights(), loop(None).get_weights(), atol=1e-6, rtol=1e-5)
 
 
+def compiled_units(model):
+    """The layers of ``model`` whose ZeRO-3 unit ran as an XLA program of its own."""
+    return [layer for layer in model._flatten_layers() if sharded_units._compiled_calls.get(layer)]
+
+
 @pytest.mark.slow
-def test_jit_compile_true_with_sharded_parameters_equals_one_device():
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adam_global_clipnorm", "adamw_clipnorm",
+                                      "lamb"])
+def test_jit_compile_true_with_sharded_parameters_equals_one_device(opt_name):
+    """Under XLA each unit is compiled on its own (plan "units"), its gathers outside: the
+    weights equal one device's (not compiled) within 1e-6."""
     data = classification_data()
     w0 = initial_weights(dense_stack)
-    opt = OPTIMIZERS["adam_global_clipnorm"]
-    ref = one_device("adam_global_clipnorm")  # not compiled with XLA
-    model = train(zero3(), dense_stack, opt, data, w0, jit_compile=True)
+    ref = one_device(opt_name)  # not compiled with XLA
+    model = train(zero3(), dense_stack, OPTIMIZERS[opt_name], data, w0, jit_compile=True)
     assert_weights_close(model.get_weights(), ref, atol=1e-6, rtol=1e-5)
+    assert len(compiled_units(model)) == 3  # every Dense layer ran as its own XLA program
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name", ["tied", "frozen"])
+def test_jit_compile_true_with_sharded_parameters_on_models_users_bring(model_name):
+    model_fn = MODELS[model_name]
+    data = data_for(model_name)
+    w0 = initial_weights(model_fn)
+    ref = train(None, model_fn, OPTIMIZERS["adam_global_clipnorm"], data, w0)
+    model = train(zero3(), model_fn, OPTIMIZERS["adam_global_clipnorm"], data, w0,
+                  jit_compile=True)
+    assert compiled_units(model)
+    assert_weights_close(model.get_weights(), ref.get_weights(), atol=1e-6, rtol=1e-5)
+
+
+def test_the_step_plan_compiles_units_for_zero3_and_keeps_the_split_otherwise():
+    assert xla.step_plan(True, 4, True, sharded_units=True) == "units"
+    assert xla.step_plan(True, 4, False, sharded_units=True) == "units"
+    assert xla.step_plan(True, 4, True, sharded_units=False) == "split"
+    assert xla.step_plan(False, 4, True, sharded_units=True) == "keras"
+    assert xla.step_plan(True, 1, True, sharded_units=True) == "keras"
 
 
 @pytest.mark.slow
@@ -317,9 +347,12 @@ def test_sharded_optimizer_under_zero3_is_refused_with_the_fix():
 # --- Two workers x two replicas -----------------------------------------------------------------
 
 @pytest.mark.slow
-def test_two_workers_two_replicas_train_like_one_device_and_save_a_plain_keras_file(tmp_path):
+@pytest.mark.parametrize("jit", [False, True], ids=["no_xla", "xla"])
+def test_two_workers_two_replicas_train_like_one_device_and_save_a_plain_keras_file(tmp_path,
+                                                                                     jit):
     environ = worker_env(TFDP_TEST_OUT=tmp_path, TFDP_TEST_MODEL="dense",
-                         TFDP_TEST_OPTIMIZER="adam_global_clipnorm", TF_CPP_MIN_LOG_LEVEL=2)
+                         TFDP_TEST_OPTIMIZER="adam_global_clipnorm", TF_CPP_MIN_LOG_LEVEL=2,
+                         TFDP_TEST_JIT=int(jit))
     code, out = run_job(tfdp_run_command(worker_script("mw_zero3_worker.py"), cpu_replicas=2),
                         environ, 240)
     assert code == 0, out

@@ -142,11 +142,16 @@ PEAK_CONFIGS = {
     "zero3": ("zero3", False, None),
     "zero3_keep": ("zero3_keep", False, None),
 }
+# Each also under XLA (compile(jit_compile=True)): "<config>_xla".
+PEAK_CONFIGS.update({f"{name}_xla": spec for name, spec in list(PEAK_CONFIGS.items())
+                     if name in ("unsharded", "zero3", "zero3_keep")})
 PEAK_LABELS = {"unsharded": "unsharded (tfdp)", "mirrored": "MirroredStrategy",
                "zero2": "ZeRO-2 (ShardedOptimizer)", "unsharded_acc4": "unsharded (tfdp), k=4",
                "zero2_acc4": "ZeRO-2, k=4 sharded accumulation",
                "zero3": "ZeRO-3 (shard_parameters=True)",
                "zero3_keep": "ZeRO-3, reshard_after_forward=False"}
+PEAK_LABELS.update({f"{name}_xla": f"{PEAK_LABELS[name]}, XLA" for name in
+                    ("unsharded", "zero3", "zero3_keep")})
 TRAFFIC = {"unsharded": "all_reduce", "ZeRO-1": "zero", "unsharded, k-step acc": "all_reduce",
            "ZeRO-2 sharded acc": "zero2_sharded", "ZeRO-2 local acc": "zero"}
 
@@ -254,7 +259,8 @@ def _peak_child(FLAGS):
         if sharded:
             optimizer = tfdp.ShardedOptimizer(optimizer)
         model.compile(optimizer=optimizer,
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      jit_compile=FLAGS.peak_child.endswith("_xla"))
     model.fit(data, epochs=1, steps_per_epoch=FLAGS.peak_steps * (steps or 1), verbose=0)
     growth = vm_hwm_bytes() - before
     try:

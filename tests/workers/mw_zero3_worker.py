@@ -6,7 +6,8 @@ must (the chief to OUT/model.keras, the others to a temporary path: saving gathe
 from every worker), and writes this worker's final weights (get_weights: whole tensors) and
 the shape of every slice it holds to OUT/weights-<rank>.npz.
 
-Env knobs: TFDP_TEST_OUT, TFDP_TEST_MODEL, TFDP_TEST_OPTIMIZER (keys of tests/zero3_cases.py).
+Env knobs: TFDP_TEST_OUT, TFDP_TEST_MODEL, TFDP_TEST_OPTIMIZER (keys of tests/zero3_cases.py),
+TFDP_TEST_JIT=1 (compile with jit_compile=True: ZeRO-3's units compiled each on its own).
 """
 
 import os
@@ -33,7 +34,7 @@ x, y = classification_data()
 with strategy.scope():
     model = model_fn()
     model.set_weights(initial_weights(model_fn))
-    compile_for(model, optimizer_fn())
+    compile_for(model, optimizer_fn(), jit_compile=os.environ.get("TFDP_TEST_JIT") == "1")
 
 train = tfdp.data.distribute(strategy, tf.data.Dataset.from_tensor_slices((x, y)), 64)
 history = model.fit(train, epochs=2, verbose=0)

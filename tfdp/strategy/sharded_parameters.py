@@ -54,6 +54,7 @@ from tfdp.strategy import collectives, deadline, gradient_hooks, replica_ops
 
 __all__ = ["ShardSpec", "shard_layout", "owner_of", "DEFAULT_SHARD_MIN_ELEMENTS",
            "is_sharded", "clip_gradients", "sharded_bytes_per_replica", "slice_gradient",
+           "gather_slice",
            "check_optimizer", "WHOLE_TENSOR_OPTIMIZERS"]
 
 # Variables smaller than this stay mirrored: gathering a 1,000-element bias costs a collective
@@ -210,6 +211,14 @@ def _gather_with_reduce_scatter_gradient(shard, spec: ShardSpec):
         return whole, grad
 
     return gather(shard)
+
+
+def gather_slice(shard, spec: ShardSpec):
+    """The whole parameter ``spec`` describes, all-gathered from this replica's ``shard``
+    (a tensor); its gradient is this replica's slice of the sum over replicas (the
+    reduce-scatter). What a unit compiled by XLA gathers outside its program
+    (sharded_units.py)."""
+    return _gather_with_reduce_scatter_gradient(shard, spec)
 
 
 def slice_gradient(variable, whole_gradient):

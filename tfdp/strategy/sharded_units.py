@@ -20,16 +20,28 @@ state (BatchNorm statistics, a Dropout's seed generator), because the recomputat
 draw or update again. A named class that is not pure is not a unit, its sublayers are (tfdp
 warns once). Units nest: inside a unit, layers are part of it.
 
+Under XLA (``jit_compile=True``, or tfdp's default on GPUs) each unit is compiled on its own:
+its gathers and reduce-scatters run outside XLA, between the units, and one XLA program per
+unit computes its forward pass (and, differentiated, the recomputation of its backward pass)
+from the gathered parameters passed in as arguments. So a replica holds what it holds without
+XLA (its slices, about two units' gathered parameters, one unit's whole gradient), where
+compiling the whole step would take every gathered parameter as an argument at once (2.85x
+the theory's memory on a GPU, docs/zero.md). Why per unit: XLA cannot compile collectives
+across CPU replicas or across several GPUs of one process, and a program cannot free its
+arguments before it ends. What lies outside every unit (the loss, metrics, layers without
+sharded weights or that are not pure) runs without XLA; tfdp says so once.
+
 Sharded parameters read outside any unit (``reshard_after_forward=False``, a layer that is
-not pure, a custom loop running eagerly, tfdp's XLA step, which reads parameters before its
-compiled part) are gathered where they are read and kept until the backward pass has used
-them; results are the same, the peak holds more.
+not pure, a custom loop running eagerly, ``tfdp.compile_gradients``, which reads parameters
+before its compiled part) are gathered where they are read and kept until the backward pass
+has used them; results are the same, the peak holds more.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 
 import keras
 import tensorflow as tf
@@ -37,13 +49,30 @@ import tensorflow as tf
 from tfdp import _tf_private, said_once
 from tfdp.strategy import sharded_parameters
 
-__all__ = ["install_keras_hooks", "is_unit", "resolve_unit_layers"]
+__all__ = ["install_keras_hooks", "is_unit", "resolve_unit_layers", "compile_units_here",
+           "compiles_units"]
 
 log = logging.getLogger("tfdp")
 
 # Per replica (each replica traces its step in a thread of its own): how deep inside units the
 # current call is, and the outputs of the last units of the graph being traced.
 _state = threading.local()
+
+
+# The step graphs whose units are compiled (a train or test step traced under XLA, xla.py):
+# each replica traces its part of the step in a thread of its own, into the same graph.
+_compiling_graphs = weakref.WeakSet()
+
+
+def compile_units_here():
+    """Units traced from now on into the current graph (a step being traced) are compiled by
+    XLA, each on its own (see the module's rule)."""
+    _compiling_graphs.add(tf.compat.v1.get_default_graph())
+
+
+def compiles_units() -> bool:
+    """Whether units traced into the current graph are compiled."""
+    return tf.compat.v1.get_default_graph() in _compiling_graphs
 
 
 def resolve_unit_layers(unit_layers) -> tuple:
@@ -138,8 +167,12 @@ def _call_as_unit(layer, original, args, kwargs):
         slices = [c.components[replica].value() for c in containers]
     inputs = [flat[i] for i in positions]
     built = {}
+    compiled = _compiled_call(layer, original, flat, positions, args, kwargs, containers) \
+        if compiles_units() else None
 
     def run(tensors, slice_values):
+        if compiled is not None:
+            return compiled(tensors, slice_values)
         values = list(flat)
         for i, t in zip(positions, tensors):
             values[i] = t
@@ -177,6 +210,62 @@ def _call_as_unit(layer, original, args, kwargs):
         outputs = [outputs]
     recent.append(outputs[0])
     return tf.nest.pack_sequence_as(built["structure"], list(outputs))
+
+
+# layer -> {the call's static part: its XLA-compiled call}: every replica's trace of a unit
+# (and its backward recomputation) calls one tf.function, traced once.
+_compiled_calls = weakref.WeakKeyDictionary()
+
+
+def _static_key(flat, positions):
+    try:
+        key = tuple((i, v) for i, v in enumerate(flat) if i not in positions)
+        hash(key)
+        return key
+    except TypeError:  # an unhashable argument: no sharing between calls
+        return None
+
+
+def _compiled_call(layer, original, flat, positions, args, kwargs, containers):
+    """``run(tensors, slice_values)`` for a compiled unit: gathers the slices (outside XLA; the
+    gather's gradient is the reduce-scatter) and reads the unit's other weights, then calls
+    one XLA program that computes the layer from them (it reads no variable: a
+    ``keras.StatelessScope`` maps each weight to its value)."""
+    weights = []  # each once, also when a layer lists a shared variable twice
+    for variable in layer.trainable_variables:
+        if all(variable is not w for w in weights):
+            weights.append(variable)
+    sharded = {id(c): i for i, c in enumerate(containers)}
+    owner = [sharded.get(id(_tf_private.sharded_container(w))) for w in weights]
+    key = _static_key(flat, positions)
+    calls = _compiled_calls.setdefault(layer, {})
+    function = calls.get(key) if key is not None else None
+    if function is None:
+        def compute(tensors, weight_values):
+            values = list(flat)
+            for i, t in zip(positions, tensors):
+                values[i] = t
+            call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), values)
+            _state.depth = getattr(_state, "depth", 0) + 1
+            try:
+                with keras.StatelessScope(state_mapping=list(zip(weights, weight_values))):
+                    return original(layer, *call_args, **call_kwargs)
+            finally:
+                _state.depth -= 1
+
+        function = tf.function(compute, jit_compile=True, autograph=False)
+        if key is not None:
+            calls[key] = function
+    specs = [c.tfdp_spec for c in containers]
+
+    def run(tensors, slice_values):
+        weight_values = [
+            tf.convert_to_tensor(w.value) if i is None
+            else sharded_parameters.gather_slice(slice_values[i], specs[i])
+            for w, i in zip(weights, owner)]
+        return function(list(tensors), weight_values)
+
+    return run
 
 
 def install_keras_hooks():

@@ -15,6 +15,13 @@ than one replica in sync, a training step is split in two, inside every replica:
    reduce-scatter), clipping, gradient accumulation and the update run exactly as without
    XLA.
 
+With ``shard_parameters=True`` (ZeRO-3, ``reshard_after_forward=True``) the step is not split:
+compiling the forward/backward whole would take every gathered parameter as an argument at
+once. Instead each ZeRO-3 unit is compiled on its own, its gathers and reduce-scatters
+between the programs (plan ``"units"``, tfdp/strategy/sharded_units.py); the rest of the
+step runs without XLA (said once). ``reshard_after_forward=False`` keeps every gathered
+parameter to the backward pass by definition and keeps the split step.
+
 Evaluation steps are split the same way (compiled forward, loss and metrics). With one
 replica in sync, Keras compiles the whole step as it does without a strategy (it holds no
 collective). A model that overrides ``train_step``/``test_step`` cannot be split: its step runs
@@ -38,7 +45,7 @@ import tensorflow as tf
 
 from tfdp import _tf_private, said_once
 from tfdp.strategy import (collectives, deadline, is_data_parallel, riders, sharded_parameters,
-                           sparse_gradients, timing)
+                           sharded_units, sparse_gradients, timing)
 
 __all__ = ["compile_gradients", "CompiledGradients", "compiled_train_step",
            "resolve_auto_jit_compile", "step_plan", "rides_metrics", "install_keras_hooks",
@@ -48,7 +55,7 @@ log = logging.getLogger("tfdp")
 
 # What a Keras step does under tfdp (step_plan): Keras's own step (no XLA, or XLA around the
 # whole step of one replica), tfdp's split step, or Keras's step without XLA.
-STEP_PLANS = ("keras", "split", "no_xla")
+STEP_PLANS = ("keras", "split", "no_xla", "units")
 
 
 def resolve_auto_jit_compile(device_type: str, model_supports_jit: bool,
@@ -72,16 +79,21 @@ def resolve_auto_jit_compile(device_type: str, model_supports_jit: bool,
     return num_replicas_in_sync == 1 or keras_step
 
 
-def step_plan(jit_compile: bool, num_replicas_in_sync: int, keras_step: bool) -> str:
+def step_plan(jit_compile: bool, num_replicas_in_sync: int, keras_step: bool,
+              sharded_units: bool = False) -> str:
     """How a Keras train/test step runs under a tfdp strategy; pure policy.
 
     Returns one of ``STEP_PLANS``: ``"keras"`` (Keras's own step: without XLA, or compiled
     whole when one replica holds no collective), ``"split"`` (per-replica compiled
-    forward/backward, reduction and update outside) or ``"no_xla"`` (an overridden step with
-    several replicas: Keras's step without XLA).
+    forward/backward, reduction and update outside), ``"no_xla"`` (an overridden step with
+    several replicas: Keras's step without XLA) or ``"units"`` (``sharded_units``: ZeRO-3
+    with ``reshard_after_forward=True``; Keras's step without XLA around ZeRO-3 units each
+    compiled on its own, so no program holds every gathered parameter).
     """
     if not jit_compile or num_replicas_in_sync == 1:
         return "keras"
+    if sharded_units:
+        return "units"
     return "split" if keras_step else "no_xla"
 
 
@@ -345,6 +357,26 @@ def _test_step(model):
     return test_step
 
 
+def _units_step(model, kind, ride_logs):
+    """Keras's step (or tfdp's riding train step) without XLA, its ZeRO-3 units compiled each
+    on its own (plan "units")."""
+    if kind == "train":
+        inner = _riding_train_step(model) if ride_logs else model.train_step
+    else:
+        inner = model.test_step
+    if said_once.first_time("xla_units", id(model)):
+        log.info("tfdp: ZeRO-3 under XLA: each unit (a layer with sharded weights, or a "
+                 "unit_layers block) is compiled on its own, gathering between units; the "
+                 "rest of %s's %s step (loss, metrics, layers outside units) runs without "
+                 "XLA.", type(model).__name__, kind)
+
+    def step(data):
+        sharded_units.compile_units_here()
+        return inner(data)
+
+    return step
+
+
 def _tfdp_strategy_of(model):
     strategy = model.distribute_strategy
     return strategy if is_data_parallel(strategy) else None
@@ -435,7 +467,9 @@ def _build_step(model, kind, original, strategy):
     """The step function Keras (plan "keras") or tfdp's XLA split builds; returns it."""
     attribute = f"{kind}_function"
     keras_step = _keras_step(model, f"{kind}_step")
-    plan = step_plan(bool(model.jit_compile), strategy.num_replicas_in_sync, keras_step)
+    units = (bool(getattr(strategy, "shard_parameters", False))
+             and getattr(strategy, "reshard_after_forward", True))
+    plan = step_plan(bool(model.jit_compile), strategy.num_replicas_in_sync, keras_step, units)
     ride_logs = rides_metrics(kind, _tf_private.extended_num_workers(strategy.extended),
                               keras_step)
     # Plan "keras" with several workers never compiles (several replicas), so riding logs
@@ -450,7 +484,9 @@ def _build_step(model, kind, original, strategy):
                    "(jit_compile=True would compile the collectives). Use "
                    "tfdp.compile_gradients inside it for XLA.", type(model).__name__, kind)
     step = None
-    if plan == "split":
+    if plan == "units":
+        step = _units_step(model, kind, ride_logs)
+    elif plan == "split":
         step = _train_step(model, ride_logs) if kind == "train" else _test_step(model)
     elif plan == "keras":  # without XLA, the logs riding with the gradients
         step = _riding_train_step(model)
