@@ -36,7 +36,8 @@ MAX_FUNCTION_LINES = 80
 # ``launcher`` is pure Python beside the stack and imports only the two bottom layers. The
 # top-level shims (``tfdp/__init__.py``, ``run.py``, ``schedules.py``) may import anything.
 LAYERS = ["protocol", "said_once", "process_state", "cluster", "_tf_private", "strategy",
-          "optimizers", "data", "resilience", "callbacks", "horovod"]
+          "optimizers", "data", "resilience", "callbacks", "horovod",
+          "keras_distribution"]
 LAUNCHER_MAY_IMPORT = {"protocol", "cluster", "launcher"}
 SHIMS = {"tfdp", "tfdp.run", "tfdp.schedules", "tfdp.chief_writes"}
 # Upward edges that exist today (function-level imports, so no circle at import time). A new
@@ -48,7 +49,8 @@ PURE_PYTHON = ["tfdp.cluster", "tfdp.protocol", "tfdp.said_once", "tfdp.process_
                "tfdp.launcher.processes", "tfdp.launcher.hosts", "tfdp.launcher.remote",
                "tfdp.resilience", "tfdp.strategy.options", "tfdp.strategy.lifecycle",
                "tfdp.strategy.deadline", "tfdp.strategy.agreement", "tfdp.strategy.timing",
-               "tfdp.strategy.buckets", "tfdp.run"]
+               "tfdp.strategy.buckets", "tfdp.run", "tfdp.keras_distribution",
+               "tfdp.keras_distribution.plan"]
 
 
 def _env():

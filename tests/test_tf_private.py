@@ -452,7 +452,7 @@ def test_autograph_user_function_converts_beneath_do_not_convert():
 
 AREAS = ("core", "distribute", "data", "coordination", "keras_trainer", "keras_optimizer",
          "keras_random", "keras_saving", "gradients", "sharded_variable", "profiler",
-         "compile_cache")
+         "compile_cache", "keras_distribution")
 
 
 def _python(code: str) -> str:
@@ -573,6 +573,7 @@ import keras
 import tensorflow as tf
 import tfdp
 from tfdp import _tf_private as tp
+from keras.src.backend.tensorflow.core import Variable as KerasTFVariable
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer, TFEpochIterator
 from keras.src.legacy.saving import legacy_h5_format
 from keras.src.saving import saving_lib
@@ -600,6 +601,10 @@ targets = [
     (multi_device_iterator_ops._PerDeviceGenerator, "__init__"),
     (EpochIterator, "_enumerate_iterator"), (TFEpochIterator, "_get_iterator"),
     (TensorFlowTrainer, "_maybe_symbolic_build"),
+    (tp.keras_backend_distribution_lib(), "list_devices"),
+    (tp.keras_distribution_lib(), "set_distribution"),
+    (tp.keras_distribution_base(), "distribute_dataset"),
+    (KerasTFVariable, "_initialize"),
 ]
 
 def snapshot():
@@ -611,8 +616,11 @@ def wrap(original):
         return original(*args, **kwargs)
     return wrapper
 
+# Importing tfdp patches only keras.distribution (tfdp.keras_distribution); reset undoes it.
+assert {n for _, n in tp.patched()} >= {"list_devices", "set_distribution", "_initialize"}
+tfdp.reset()
 before = snapshot()
-assert tp.patched() == []  # importing tfdp patches nothing
+assert tp.patched() == []
 tfdp.configure_cpu_replicas(2)
 tfdp.DataParallelStrategy(["/device:CPU:0", "/device:CPU:1"])  # tfdp's own hooks
 assert tp.TFOptimizer._clip_gradients.__module__ == "tfdp.strategy.gradient_hooks"
@@ -635,6 +643,10 @@ tp.patch_device_datasets_without_autotune()
 tp.patch_per_device_generators_traced_once()
 tp.patch_keras_epoch_iterators(lambda epoch_iterator: True)
 tp.patch_keras_symbolic_build(lambda model: True)
+tp.patch_keras_backend_distribution({"list_devices": lambda device_type=None: []})
+tp.patch_keras_set_distribution(wrap)
+tp.patch_keras_distribute_dataset(wrap)
+tp.patch_keras_variable_initialize(wrap)
 during = snapshot()
 # Guard: without a restore every target differs from what TensorFlow and Keras had.
 same = [t for t, b, d in zip(targets, before, during) if d[0] is b[0]]
@@ -654,7 +666,7 @@ print("restored", restored, "targets", len(targets))
 def test_restore_patches_leaves_tensorflow_and_keras_as_they_were():
     words = _python(RESTORE_EVERY_PATCH).split()
     restored, targets = int(words[words.index("restored") + 1]), int(words[-1])
-    assert targets == 32 and restored >= targets, words
+    assert targets == 36 and restored >= targets, words
 
 
 # Each area module imported first, with the package's __init__ not run (a stand-in package
@@ -1042,3 +1054,41 @@ def test_a_dropped_distributed_iterator_is_freed_without_a_garbage_collection(mo
         gc.enable()
     assert ours == 0
     assert tensorflows > 0  # guard
+
+
+def test_keras_distribution_internals_where_tfdp_puts_keras_distribution_on_tfdp():
+    """tfdp.keras_distribution (issue 58): the TensorFlow backend's distribution_lib has
+    Keras's list_devices and lacks the functions tfdp provides (the JAX backend's), the front
+    end looks them up there at call time, set_distribution is bound in the namespaces tfdp
+    patches, Keras's TF Variable creates its tf.Variable in ``_initialize``, Distribution has
+    ``distribute_dataset`` and the global attribute's name."""
+    import sys
+
+    import keras
+    from tfdp._tf_private import core, keras_distribution as kd
+
+    assert tfdp.keras_distribution.install()
+    backend = kd.keras_backend_distribution_lib()
+    front = kd.keras_distribution_lib()
+    for name in kd.BACKEND_REPLACED:
+        original = getattr(backend, name)
+        assert callable(getattr(original, "__wrapped__", original)), name
+    entries = {(getattr(o, "__name__", o), n): v for o, n, v in core._registry}
+    for name in kd.BACKEND_PROVIDED:
+        # Absent from Keras's own module: tfdp's registry holds "absent" for it.
+        assert entries[(backend.__name__, name)] is core._ABSENT, name
+    assert "distribution_lib.list_devices(" in inspect.getsource(front.list_devices)
+    assert "distribution_lib.initialize(" in inspect.getsource(front.initialize)
+    assert "num_processes" in inspect.getsource(front.Distribution.__init__)
+    holders = [n for n, m in list(sys.modules.items())
+               if m is not None and getattr(getattr(m, "set_distribution", None),
+                                            "_tfdp_patch", False)]
+    assert {"keras.distribution", front.__name__} <= set(holders), holders
+    from keras.src.backend.tensorflow.core import Variable
+
+    assert "tf.Variable(" in inspect.getsource(
+        getattr(Variable._initialize, "__wrapped__", Variable._initialize))
+    assert callable(kd.keras_distribution_base().distribute_dataset)
+    assert front.GLOBAL_ATTRIBUTE_NAME == "distribution"
+    kd.set_keras_distribution_quietly(None)
+    assert keras.distribution.distribution() is None

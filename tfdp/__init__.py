@@ -6,7 +6,8 @@ The TensorFlow side loads lazily (PEP 562) so that the launcher (``tfdp-run``,
 ``python -m tfdp.run``) and ``tfdp.cluster`` stay pure Python: importing them does not import
 TensorFlow. Everything loads on first use of any TensorFlow-side name, or at ``import tfdp``
 when Keras or TensorFlow is already imported, which registers tfdp's Keras classes (LARS,
-LAMB, ShardedOptimizer, schedules) for ``keras.models.load_model``.
+LAMB, ShardedOptimizer, schedules) for ``keras.models.load_model``. It also puts Keras's own
+``keras.distribution`` API on tfdp (``tfdp.keras_distribution``), undone by ``tfdp.reset()``.
 """
 
 import importlib as _importlib
@@ -81,3 +82,10 @@ _configure_compile_cache()
 
 if _sys.modules.get("keras") is not None or _sys.modules.get("tensorflow") is not None:
     _load_tensorflow_side()
+
+# keras.distribution on the TensorFlow backend runs through tfdp (docs/keras_distribution.md):
+# now if Keras is imported, else when it is (a one-shot import hook; nothing of TensorFlow
+# is imported here).
+from tfdp import keras_distribution as _keras_distribution  # noqa: E402
+
+_keras_distribution.install_when_keras_loads()

@@ -101,6 +101,8 @@ HOLDERS = (
            _clear_listeners),
     Holder("step-deadline watchdog", "tfdp.strategy.deadline",
            lambda m: (m._watchdog.running(), len(m._outside_counts)), _stop_watchdog),
+    Holder("keras.distribution", "tfdp.keras_distribution.backend", lambda m: m.describe(),
+           lambda m: m.clear()),
     Holder("said once", "tfdp.said_once", lambda m: m.said(), lambda m: m.forget()),
     Holder("latest distributed input", "tfdp.data.distributed",
            lambda m: m._latest is not None, lambda m: _set(m, "_latest", None)),

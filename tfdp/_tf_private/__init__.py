@@ -30,6 +30,9 @@ The areas:
 * ``sharded_variable``: the distributed variable of ``shard_parameters=True`` (ZeRO-3): a
   MirroredVariable whose components hold slices, and how the strategy's scope creates one.
 * ``profiler``: the profiler's trace format (XSpace), read offline by tools/profile_step.py.
+* ``keras_distribution``: Keras's distribution API on the TensorFlow backend
+  (``keras.distribution`` through tfdp: the backend's functions, ``set_distribution``, which
+  Keras variable a ``tf.Variable`` is made for).
 * ``keras_saving``: Keras saving and callbacks, TensorFlow's file writers and checkpoints
   (only the chief writes; agreed decisions).
 
@@ -172,6 +175,18 @@ from tfdp._tf_private.sharded_variable import (
     reading_slices,
     sharded_container,
 )
+from tfdp._tf_private.keras_distribution import (
+    BACKEND_PROVIDED,
+    BACKEND_REPLACED,
+    keras_backend_distribution_lib,
+    keras_distribution_base,
+    keras_distribution_lib,
+    patch_keras_backend_distribution,
+    patch_keras_distribute_dataset,
+    patch_keras_set_distribution,
+    patch_keras_variable_initialize,
+    set_keras_distribution_quietly,
+)
 from tfdp._tf_private.keras_saving import (
     KERAS_BACKUP_PATH_ATTRIBUTES,
     CheckpointManagerState,
@@ -246,4 +261,9 @@ __all__ = [
     "CheckpointManagerState", "checkpoint_manager_state", "set_checkpoint_manager_state",
     "patch_keras_callback", "KERAS_BACKUP_PATH_ATTRIBUTES", "keras_backup_paths",
     "keras_initial_epoch",
+    # keras_distribution
+    "BACKEND_PROVIDED", "BACKEND_REPLACED", "keras_backend_distribution_lib",
+    "keras_distribution_base", "keras_distribution_lib", "patch_keras_backend_distribution",
+    "patch_keras_distribute_dataset", "patch_keras_set_distribution",
+    "patch_keras_variable_initialize", "set_keras_distribution_quietly",
 ]

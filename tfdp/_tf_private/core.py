@@ -98,6 +98,19 @@ def _patch(owner, name, make, used_for):
         return current
 
 
+def _provide(owner, name, value, used_for) -> None:
+    """Sets ``owner.name = value`` whether or not the owner has the attribute (a function a
+    Keras backend module lacks), recorded so ``restore_patches`` removes it or puts the old
+    one back. Idempotent: a value tfdp already provided is left alone."""
+    del used_for  # the attribute may be absent: nothing to name as missing
+    with _lock:
+        if getattr(getattr(owner, name, None), "_tfdp_patch", False):
+            return
+        value._tfdp_patch = True
+        _registry.append((owner, name, _own_entry(owner, name)))
+        setattr(owner, name, value)
+
+
 def patched() -> list:
     """``(owner, name)`` of every attribute tfdp has replaced and not restored, in order."""
     with _lock:

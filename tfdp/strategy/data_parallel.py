@@ -104,6 +104,10 @@ class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
         self._tfdp_device_indices = list(local_device_indices)
         # None: every variable mirrored; else shard_parameters=True with this threshold.
         self._tfdp_shard_min_elements = None
+        # With shard_parameters=True: None (the size rule above), or a function of the
+        # creator's kwargs -> True (shard this parameter) / False (mirror it), set by
+        # keras.distribution's ModelParallel (tfdp.keras_distribution: its layout map).
+        self._tfdp_shard_rule = None
         # Issue 40: a second strategy in a process (or Horovod's engine, built after the
         # context started) must not re-apply the server definition: TensorFlow would replace
         # the process's collective resolver, losing a peer's group registration that arrived
@@ -139,8 +143,13 @@ class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
             # shard_parameters=True: sharded_parameters.create decides (its partition rule)
             # and evaluates the initial value once; a variable it does not shard is mirrored
             # from that value.
-            sharded = sharded_parameters.create(self, next_creator,
-                                                self._tfdp_shard_min_elements, kwargs)
+            min_elements = self._tfdp_shard_min_elements
+            if self._tfdp_shard_rule is not None and kwargs.get("colocate_with") is None:
+                # A parameter (optimizer state, colocated, follows its parameter): the rule
+                # decides; 0 makes the partition rule shard any trainable float variable.
+                min_elements = 0 if self._tfdp_shard_rule(kwargs) else None
+            sharded = (None if min_elements is None else
+                       sharded_parameters.create(self, next_creator, min_elements, kwargs))
             if sharded is not None:
                 return sharded
         # Issue 40: on several workers creating a variable is a collective outside any step
