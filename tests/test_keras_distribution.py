@@ -244,3 +244,72 @@ def _gemma(layers=1):
         vocabulary_size=96, num_layers=layers, num_query_heads=2, num_key_value_heads=1,
         hidden_dim=32, intermediate_dim=64, head_dim=16)
     return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+
+
+# --- several workers: the guide under tfdp-run, and with keras.distribution.initialize() ------
+
+def _check_workers(tmp_path, one_device_guide, out):
+    reference, reference_loss = one_device_guide
+    for rank in range(2):
+        saved = np.load(tmp_path / f"rank-{rank}.npz")
+        assert json.loads(str(saved["devices"])) == [f"cpu:{i}" for i in range(4)], out[-3000:]
+        assert json.loads(str(saved["sharded"])) == ["d1/kernel"]
+        assert list(saved["replicas"]) == [4, 4]  # one job of 2 x 2, not two jobs of 2
+        for part in ("dp", "mp"):
+            weights = [saved[f"{part}_{k}"] for k in range(len(reference))]
+            gap = _gap(weights, reference)
+            print(f"2 workers x 2 replicas, {part}, rank {rank}: gap {gap:.1e}")
+            assert gap < 1e-6, (part, rank, gap)
+            assert abs(float(saved[f"{part}_loss"]) - reference_loss) < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_the_guide_on_two_workers_under_tfdp_run(tmp_path, one_device_guide):
+    from launching import run_job, tfdp_run_command, worker_env, worker_script
+
+    environ = worker_env(TFDP_TEST_OUT=tmp_path, TF_CPP_MIN_LOG_LEVEL=2)
+    code, out = run_job(tfdp_run_command(worker_script("keras_distribution_worker.py"),
+                                         cpu_replicas=2), environ, 400)
+    assert code == 0, out[-6000:]
+    _check_workers(tmp_path, one_device_guide, out)
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_the_guide_on_two_workers_started_by_keras_distribution_initialize(
+        tmp_path, one_device_guide):
+    import socket
+    import subprocess
+    import sys
+
+    from launching import worker_env, worker_script
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    addresses = ",".join(f"127.0.0.1:{p}" for p in ports)
+    procs = []
+    for rank in range(2):
+        environ = worker_env(TFDP_TEST_OUT=tmp_path, TF_CPP_MIN_LOG_LEVEL=2,
+                             TFDP_CPU_REPLICAS=2, KERAS_DISTRIBUTION_JOB_ADDRESSES=addresses,
+                             KERAS_DISTRIBUTION_NUM_PROCESSES=2,
+                             KERAS_DISTRIBUTION_PROCESS_ID=rank)
+        procs.append(subprocess.Popen(
+            [sys.executable, worker_script("keras_distribution_worker.py"), "initialize"],
+            env={k: str(v) for k, v in environ.items()}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True))
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=400)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    out = "\n".join(outs)
+    assert [p.returncode for p in procs] == [0, 0], out[-6000:]
+    _check_workers(tmp_path, one_device_guide, out)
