@@ -1,4 +1,4 @@
-"""keras.distribution on the TensorFlow backend, through tfdp (issue 58; docs/keras_distribution.md).
+"""keras.distribution on the TensorFlow backend through tfdp (issue 58, docs/keras_distribution.md).
 
 Pure rules (plan.py) without TensorFlow; Keras's own guide (tests/keras_distribution_guide.py)
 on 4 logical CPUs against one device; KerasHub Gemma with its own layout map; the errors;
@@ -94,6 +94,24 @@ def test_initialize_needs_every_workers_address():
         plan.initialize_workers("coordinator:1234", 2, 0)  # JAX's form: coordinator only
     with pytest.raises(KerasDistributionError, match="process_id"):
         plan.initialize_workers("h:1,h:2", 2, 2)
+
+
+def test_import_tfdp_before_keras_installs_when_keras_loads():
+    import subprocess
+    import sys
+
+    code = ("import os, sys; os.environ['KERAS_BACKEND'] = 'tensorflow'\n"
+            "import tfdp\n"
+            "assert 'tensorflow' not in sys.modules\n"
+            "import keras\n"
+            "from keras.src.backend.tensorflow import distribution_lib as b\n"
+            "print('installed', hasattr(b, 'num_processes'), "
+            "getattr(keras.distribution.set_distribution, '_tfdp_patch', False))\n")
+    environ = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, env=environ)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "installed True True" in result.stdout
 
 
 # --- in process: Keras's guide on 4 logical CPUs ------------------------------------------------
@@ -269,8 +287,10 @@ def test_the_guide_on_two_workers_under_tfdp_run(tmp_path, one_device_guide):
     from launching import run_job, tfdp_run_command, worker_env, worker_script
 
     environ = worker_env(TFDP_TEST_OUT=tmp_path, TF_CPP_MIN_LOG_LEVEL=2)
+    # The same script as below: it calls keras.distribution.initialize(), which under
+    # tfdp-run (TF_CONFIG) finds the job already known.
     code, out = run_job(tfdp_run_command(worker_script("keras_distribution_worker.py"),
-                                         cpu_replicas=2), environ, 400)
+                                         "initialize", cpu_replicas=2), environ, 400)
     assert code == 0, out[-6000:]
     _check_workers(tmp_path, one_device_guide, out)
 

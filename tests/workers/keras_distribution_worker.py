@@ -1,9 +1,9 @@
 """Keras's distributed-training guide (tests/keras_distribution_guide.py) on several workers:
 its DataParallel and ModelParallel parts over ``keras.distribution.list_devices()``, the job's
-devices. The script is the guide's with ``import tfdp`` added; run by tests/test_keras_distribution.py
-under ``tfdp-run --workers 2 --cpu-replicas 2``, or as two plain processes given
-``KERAS_DISTRIBUTION_JOB_ADDRESSES`` / ``_NUM_PROCESSES`` / ``_PROCESS_ID`` (argument
-``initialize``: the script calls ``keras.distribution.initialize()``, as the guide does for
+devices. The script is the guide's with ``import tfdp`` added; run by
+tests/test_keras_distribution.py under ``tfdp-run --workers 2 --cpu-replicas 2``, or as two
+plain processes given ``KERAS_DISTRIBUTION_JOB_ADDRESSES`` / ``_NUM_PROCESSES`` /
+``_PROCESS_ID`` (argument ``initialize``: the script calls ``keras.distribution.initialize()``, as the guide does for
 several processes).
 
 Writes OUT/rank-<process_id>.npz: the DataParallel and ModelParallel weights (``dp_<k>``,

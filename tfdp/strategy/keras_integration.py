@@ -1,10 +1,11 @@
 """tfdp's changes to Keras and TensorFlow: one explicit entry to install them, one to remove them.
 
-Rule. Importing tfdp patches nothing. ``install(cluster)`` is the one entry, called by every
-``DataParallelStrategy`` as it is built; it is idempotent (each patch goes through
-``tfdp._tf_private``'s registry, which patches an attribute at most once), and every patch
-acts only under a tfdp strategy: under another strategy, or none, Keras behaves as it would
-without tfdp. ``uninstall()`` puts back every original Keras and TensorFlow attribute and
+Rule. Importing tfdp patches none of these (its one change at import is Keras's own
+``keras.distribution`` API, ``tfdp.keras_distribution``). ``install(cluster)`` is the one
+entry, called by every ``DataParallelStrategy`` as it is built; it is idempotent (each patch
+goes through ``tfdp._tf_private``'s registry, which patches an attribute at most once), and
+every patch acts only under a tfdp strategy: under another strategy, or none, Keras behaves as
+it would without tfdp. ``uninstall()`` puts back every original Keras and TensorFlow attribute and
 forgets the job, so a later strategy installs afresh. What it installs:
 
 1. Gradients (``gradient_hooks.install``): Keras reduces gradients before
