@@ -3,8 +3,8 @@ its DataParallel and ModelParallel parts over ``keras.distribution.list_devices(
 devices. The script is the guide's with ``import tfdp`` added; run by
 tests/test_keras_distribution.py under ``tfdp-run --workers 2 --cpu-replicas 2``, or as two
 plain processes given ``KERAS_DISTRIBUTION_JOB_ADDRESSES`` / ``_NUM_PROCESSES`` /
-``_PROCESS_ID`` (argument ``initialize``: the script calls ``keras.distribution.initialize()``, as the guide does for
-several processes).
+``_PROCESS_ID`` (argument ``initialize``: the script calls ``keras.distribution.initialize()``,
+as Keras's guide does for several processes; under tfdp-run it finds the job known).
 
 Writes OUT/rank-<process_id>.npz: the DataParallel and ModelParallel weights (``dp_<k>``,
 ``mp_<k>``), their evaluate losses, ``devices`` (list_devices(), JSON), the paths of the
