@@ -148,6 +148,39 @@ def test_guide_data_parallel_trains_like_one_device(one_device_guide):
     assert _gap(guide.guide_model().get_weights(), reference) > 1e-3
 
 
+def _custom_loop():
+    """The guide's model trained by a custom loop through whatever strategy is current."""
+    strategy = tf.distribute.get_strategy()
+    model = guide.guide_model()
+    optimizer = keras.optimizers.SGD(0.1)
+    distributed = strategy.experimental_distribute_dataset(guide.dataset())
+
+    @tf.function
+    def step(x, y):
+        def replica(x, y):
+            with tf.GradientTape() as tape:
+                per_example = keras.losses.mean_squared_error(y, model(x, training=True))
+                loss = tf.reduce_sum(per_example) / 16.0  # the global batch
+            optimizer.apply(tape.gradient(loss, model.trainable_variables),
+                            model.trainable_variables)
+        strategy.run(replica, (x, y))
+
+    for x, y in distributed:
+        step(x, y)
+    return model.get_weights(), strategy.num_replicas_in_sync
+
+
+def test_a_custom_loop_under_the_distribution_runs_data_parallel():
+    reference, one = _custom_loop()
+    assert _gap(reference, guide.guide_model().get_weights()) > 1e-4  # guard: it trained
+    keras.distribution.set_distribution(keras.distribution.DataParallel(
+        devices=keras.distribution.list_devices()[:DEVICES]))
+    weights, replicas = _custom_loop()
+    assert one == 1 and replicas == DEVICES
+    gap = _gap(weights, reference)
+    assert gap < 1e-6, gap
+
+
 @pytest.mark.slow
 def test_guide_model_parallel_shards_the_layouts_variables(one_device_guide):
     from tfdp.strategy import sharded_parameters
