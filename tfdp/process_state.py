@@ -8,6 +8,10 @@ outside itself: every TensorFlow/Keras patch (``tfdp._tf_private``'s registry), 
 the signals tfdp handles as they were when tfdp was imported, ``sys.exit`` and the atexit
 handler of the orderly exit, and the threads tfdp started (the step-deadline watchdog; a
 StragglerMonitor's stall meter ends with its listener). Keras's ``clear_session`` is the model.
+Keras's own ``keras.distribution`` API, which ``import tfdp`` puts on tfdp
+(``tfdp.keras_distribution``), is taken off too: its patches go with the others, the strategy
+scope it holds is exited and Keras's distribution is the one found when tfdp installed;
+``tfdp.keras_distribution.install()`` puts it back.
 
 What TensorFlow keeps cannot be undone in a process and stays: a collective runtime joined
 (a multi-worker job), the logical CPU devices, traced functions of live objects. A strategy

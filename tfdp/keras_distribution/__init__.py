@@ -35,7 +35,7 @@ class _AfterKeras(importlib.abc.MetaPathFinder):
         if name != "keras":
             return None
         _remove_hook()
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        spec = _spec_from_the_other_finders(name, path, target)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         loader = spec.loader
@@ -47,6 +47,16 @@ class _AfterKeras(importlib.abc.MetaPathFinder):
 
         loader.exec_module = exec_module
         return spec
+
+
+def _spec_from_the_other_finders(name, path, target):
+    for finder in list(sys.meta_path):
+        find_spec = getattr(finder, "find_spec", None)
+        if find_spec is not None:
+            spec = find_spec(name, path, target)
+            if spec is not None:
+                return spec
+    return importlib.machinery.PathFinder.find_spec(name, path)
 
 
 _hook = _AfterKeras()
