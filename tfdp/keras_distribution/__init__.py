@@ -22,7 +22,11 @@ __all__ = ["install", "install_when_keras_loads", "KerasDistributionError"]
 
 def install() -> bool:
     """Puts ``keras.distribution`` on tfdp (idempotent); False when Keras's backend is not
-    TensorFlow (nothing changes). Imports Keras and TensorFlow."""
+    TensorFlow (nothing changes, nothing of TensorFlow is imported). Imports Keras."""
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        return False
     from tfdp.keras_distribution import backend
 
     return backend.install()
@@ -78,6 +82,6 @@ def _install_quietly():
 def install_when_keras_loads() -> None:
     """``install()`` now if Keras is imported, else right after Keras's import (one-shot)."""
     if sys.modules.get("keras") is not None:
-        install()
+        _install_quietly()
     elif _hook not in sys.meta_path:
         sys.meta_path.insert(0, _hook)
