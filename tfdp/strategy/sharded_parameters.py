@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import weakref
 import math
 
 import keras
@@ -230,29 +231,34 @@ def slice_gradient(variable, whole_gradient):
     return replica_ops.reduce_scatter(tf.reshape(flat, [spec.num_shards, spec.shard_size]))
 
 
+# strategy -> the one traced function that gathers a sharded variable whole across workers.
+_whole_reads = weakref.WeakKeyDictionary()
+
+
 def _gather_across_workers(components, spec: ShardSpec):
     """Eagerly, every slice from every worker (a collective all workers run together).
 
-    One traced function per variable, kept on its spec: saving a model gathers every
-    variable, and a save every epoch must not trace again.
+    One traced function per strategy, taking the slices as arguments (shapes relaxed after
+    the second size): saving a model gathers every variable, and neither a save nor a backup
+    every few steps traces again per variable (a function per variable was traced once each,
+    and TensorFlow warned of retracing at every job's first save).
     """
     strategy = spec.strategy
-    gather = getattr(spec, "_gather_function", None)
-    if gather is None:
-        @tf.function(autograph=False)  # no tensor branches (agreement.py says why)
-        def gather():
-            def fn():
-                local = components[replica_ops.local_replica_index()]
-                return replica_ops.all_gather(local.value())
-            return strategy.run(fn)
-        spec._gather_function = gather
-        first = True
-    else:
-        first = False
+    gather = _whole_reads.get(strategy)
+    first = gather is None
+    if first:
+        @tf.function(autograph=False, reduce_retracing=True)  # no tensor branches (agreement.py)
+        def gather(slices):
+            return strategy.run(replica_ops.all_gather, args=(slices,))
+        _whole_reads[strategy] = gather
+    local = list(components)
+    base = strategy.cluster.rank * len(local)  # global id of this worker's first replica
+    slices = strategy.experimental_distribute_values_from_function(
+        lambda context: local[context.replica_id_in_sync_group - base].value())
     with deadline.collective_outside_step(
             strategy, f"reading the sharded variable {spec.name!r} whole", _WHOLE_READ_FIX,
             kind="whole-read", first=first):
-        flat = strategy.experimental_local_results(gather())[0]
+        flat = strategy.experimental_local_results(gather(slices))[0]
     return spec.whole_from_flat(flat)
 
 
