@@ -63,6 +63,12 @@ def import_tensorflow_quietly():
     return tensorflow
 
 
+# tfdp before TensorFlow: importing tfdp decides XLA's persistent compilation cache (tfdp-run's
+# --compile-cache) by setting TF_XLA_FLAGS, and in a script run by absl's app.run, as every
+# example is, TensorFlow imported first has already read them: the cache stayed off and a
+# restarted worker compiled again (measured, TF 2.21; tools/bench_restart.py).
+import tfdp  # noqa: E402,F401
+
 import_tensorflow_quietly()
 
 import keras  # noqa: E402

@@ -168,6 +168,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         compile_cache.configure_beside_backups(self.backup_dir,
                                                _tf_private.eager_context_initialized())
         self._first_step = None
+        self._align_names = False
 
     def get_config(self):
         return {"backup_dir": self.backup_dir, "save_freq": self.save_freq,
@@ -213,10 +214,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._watcher = PreemptionWatcher(self.grace_seconds, signals=self.preemption_signals)
         self._watcher.install()
         self._stop = StopAgreement(self._watcher, self._agreement, self.check_every, strategy)
-        if compile_cache.active() is not None:
-            # The step's functions get the same names (XLA's cache keys) in every attempt,
-            # whether or not a backup was restored first.
-            _tf_private.align_function_names()
+        # The step's functions get the same names (XLA's cache keys) in every attempt, whether
+        # or not a backup was restored first: the names are aligned right before the first
+        # step is traced (on_train_batch_begin), after the epoch's iterator is made (a resumed
+        # plain tf.data.Dataset took one name more there: measured, tools/bench_restart.py).
+        self._align_names = compile_cache.active() is not None
         if self._num_workers > 1:  # a step traced before would not carry the stop flag
             self.model.make_train_function(force=True)
         _running.set_backup(self)
@@ -277,6 +279,11 @@ class BackupAndRestore(keras.callbacks.Callback):
                     f"tfdp BackupAndRestore: could not find Keras's epoch iterator over "
                     f"{self._data_name}: fit does not train on it. Pass the dataset model.fit "
                     "trains on as dataset=, or none.")
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._align_names:
+            self._align_names = False
+            _tf_private.align_function_names()
 
     def on_train_batch_end(self, batch, logs=None):
         done = self._offset + batch + 1
