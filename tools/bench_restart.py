@@ -48,19 +48,25 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("models", ["gpt2", "convnet"], "Models: gpt2, convnet.")
-flags.DEFINE_list("modes", ["cold", "warm"], "cold: the restart finds an empty cache; warm: "
-                  "the first attempt's entries.")
-flags.DEFINE_integer("rounds", 2, "Rounds (each runs every model cold and warm, interleaved).")
-flags.DEFINE_integer("steps", 20, "Training steps of the job (one epoch).")
-flags.DEFINE_integer("save_freq", 4, "BackupAndRestore(save_freq=...) in steps.")
-flags.DEFINE_integer("kill_at", 6, "Worker 1 is SIGKILLed after this step of the first attempt.")
-flags.DEFINE_float("target", 0.2, "Warm compile time / cold compile time to meet.")
-flags.DEFINE_string("out", "docs/benchmarks/bench_restart", "Output prefix ('' to skip writing).")
-flags.DEFINE_string("child", "", "Internal: the model this worker trains.")
-flags.DEFINE_string("child_out", "", "Internal: where the worker writes its records.")
-flags.DEFINE_string("backup_dir", "", "Internal: BackupAndRestore's directory.")
-flags.DEFINE_boolean("cold_restart", False, "Internal: each attempt gets its own empty cache.")
+
+
+def define_flags():
+    """The tool's flags, defined when it runs (not at import: tests import its pure parts
+    beside other tools that define flags of the same names)."""
+    flags.DEFINE_list("models", ["gpt2", "convnet"], "Models: gpt2, convnet.")
+    flags.DEFINE_list("modes", ["cold", "warm"], "cold: the restart finds an empty cache; warm: "
+                      "the first attempt's entries.")
+    flags.DEFINE_integer("rounds", 2, "Rounds (each runs every model cold and warm, interleaved).")
+    flags.DEFINE_integer("steps", 20, "Training steps of the job (one epoch).")
+    flags.DEFINE_integer("save_freq", 4, "BackupAndRestore(save_freq=...) in steps.")
+    flags.DEFINE_integer("kill_at", 6, "Worker 1 is SIGKILLed after this step of the first attempt.")
+    flags.DEFINE_float("target", 0.2, "Warm compile time / cold compile time to meet.")
+    flags.DEFINE_string("out", "docs/benchmarks/bench_restart", "Output prefix ('' to skip writing).")
+    flags.DEFINE_string("child", "", "Internal: the model this worker trains.")
+    flags.DEFINE_string("child_out", "", "Internal: where the worker writes its records.")
+    flags.DEFINE_string("backup_dir", "", "Internal: BackupAndRestore's directory.")
+    flags.DEFINE_boolean("cold_restart", False, "Internal: each attempt gets its own empty cache.")
+
 
 MODES = ("cold", "warm")
 # Phases of the restarted attempt, in order (stacked bottom to top in the plot).
@@ -524,4 +530,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
