@@ -173,16 +173,8 @@ def _call_as_unit(layer, original, args, kwargs):
     def run(tensors, slice_values):
         if compiled is not None:
             return compiled(tensors, slice_values)
-        values = list(flat)
-        for i, t in zip(positions, tensors):
-            values[i] = t
-        call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), values)
-        _state.depth = getattr(_state, "depth", 0) + 1
-        try:
-            with sharded_parameters.reading_given_slices(dict(zip(specs, slice_values))):
-                return original(layer, *call_args, **call_kwargs)
-        finally:
-            _state.depth -= 1
+        reads = sharded_parameters.reading_given_slices(dict(zip(specs, slice_values)))
+        return _call_inside_unit(layer, original, flat, positions, args, kwargs, tensors, reads)
 
     @tf.custom_gradient
     def unit(*all_inputs):
@@ -210,6 +202,22 @@ def _call_as_unit(layer, original, args, kwargs):
         outputs = [outputs]
     recent.append(outputs[0])
     return tf.nest.pack_sequence_as(built["structure"], list(outputs))
+
+
+def _call_inside_unit(layer, original, flat, positions, args, kwargs, tensors, reads):
+    """The layer's own call on ``tensors`` (in the call's tensor ``positions`` of ``flat``),
+    its weights read as ``reads`` (a context manager) says, as part of a unit: the layers it
+    calls are not units of their own."""
+    values = list(flat)
+    for i, t in zip(positions, tensors):
+        values[i] = t
+    call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), values)
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        with reads:
+            return original(layer, *call_args, **call_kwargs)
+    finally:
+        _state.depth -= 1
 
 
 # layer -> {the call's static part: its XLA-compiled call}: every replica's trace of a unit
@@ -242,16 +250,9 @@ def _compiled_call(layer, original, flat, positions, args, kwargs, containers):
     function = calls.get(key) if key is not None else None
     if function is None:
         def compute(tensors, weight_values):
-            values = list(flat)
-            for i, t in zip(positions, tensors):
-                values[i] = t
-            call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), values)
-            _state.depth = getattr(_state, "depth", 0) + 1
-            try:
-                with keras.StatelessScope(state_mapping=list(zip(weights, weight_values))):
-                    return original(layer, *call_args, **call_kwargs)
-            finally:
-                _state.depth -= 1
+            reads = keras.StatelessScope(state_mapping=list(zip(weights, weight_values)))
+            return _call_inside_unit(layer, original, flat, positions, args, kwargs, tensors,
+                                     reads)
 
         function = tf.function(compute, jit_compile=True, autograph=False)
         if key is not None:
