@@ -75,7 +75,7 @@ def test_every_epoch_and_validation_in_one_devices_order(seeded, replicas):
 
 
 def test_unknown_length_in_one_devices_order():
-    # Keras learns the length in epoch 1 (one iterator), then makes two per epoch
+    # Keras makes one iterator per epoch here: each epoch ends on the end of its data
     assert_same_order(2, fit_epochs(unknown_length=True), EPOCHS * 2)
 
 
@@ -116,12 +116,15 @@ def test_guard_without_the_draws_epoch_two_is_one_no_device_sees(monkeypatch):
 def test_keras_iterators_before_epoch_counts_one_devices_iterators():
     count = keras_trainer.keras_iterators_before_epoch
     assert [count(e, True, None) for e in range(4)] == [0, 2, 4, 6]
-    assert [count(e, False, None) for e in range(4)] == [0, 1, 3, 5]
+    assert [count(e, False, None) for e in range(4)] == [0, 1, 2, 3]
     assert count(2, True, 5) is None
 
 
-@pytest.mark.parametrize("draws", [True, False], ids=["resumed", "guard_without_draws"])
-def test_backup_and_restore_resumes_in_the_uninterrupted_order(tmp_path, monkeypatch, draws):
+@pytest.mark.parametrize("draws,unknown_length", [
+    (True, False), (False, False), (True, True)],
+    ids=["resumed", "guard_without_draws", "resumed_unknown_length"])
+def test_backup_and_restore_resumes_in_the_uninterrupted_order(tmp_path, monkeypatch, draws,
+                                                               unknown_length):
     """A job stopped after epoch 2 and relaunched (a fresh model and dataset, the global seed
     set again, as a new process would) trains epoch 3 on the uninterrupted run's order. The
     guard: without the draws of the iterators the uninterrupted run made before epoch 3, the
@@ -139,9 +142,10 @@ def test_backup_and_restore_resumes_in_the_uninterrupted_order(tmp_path, monkeyp
         model = model_in(strategy)
         backup = tfdp.callbacks.BackupAndRestore(str(tmp_path / "backup"))
         callbacks = [backup] + ([StopAfterSecondEpoch()] if stop else [])
-        model.fit(dataset(TRAIN_IDS), epochs=EPOCHS, verbose=0, callbacks=callbacks)
+        model.fit(dataset(TRAIN_IDS, unknown_length=unknown_length), epochs=EPOCHS, verbose=0,
+                  callbacks=callbacks)
 
-    uninterrupted = record(2, fit_epochs())
+    uninterrupted = record(2, fit_epochs(unknown_length=unknown_length))
     del _seen[:]
     keras.utils.set_random_seed(1)
     strategy = strategy_of(2)

@@ -390,3 +390,19 @@ def test_speed_ratios_pair_runs_within_a_round_and_the_headline_reads_oom():
     assert zero3_headline.out_of_memory("tensorflow.python.framework.errors_impl."
                                         "ResourceExhaustedError: OOM when allocating")
     assert not zero3_headline.out_of_memory("step 1: 12.0 s, loss 2.3")
+
+
+def test_a_compiled_units_key_tells_apart_calls_of_another_structure():
+    """Review finding: the key held only the non-tensor values, so ``mha(q, v)`` and
+    ``mha(q, v, attention_mask=m)`` shared one compiled call (the mask dropped)."""
+    x, m = tf.constant([1.0]), tf.constant([0.0])
+
+    def key(args, kwargs):
+        flat = tf.nest.flatten((args, kwargs))
+        positions = [i for i, v in enumerate(flat) if isinstance(v, tf.Tensor)]
+        return sharded_units._static_key(args, kwargs, flat, positions)
+
+    assert key((x, x), {}) != key((x, x), {"attention_mask": m})
+    assert key((x,), {"mask": m}) != key((x, m), {})
+    assert key((x,), {"training": True}) != key((x,), {"training": False})
+    assert key((x,), {"training": True}) == key((m,), {"training": True})

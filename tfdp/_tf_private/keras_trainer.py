@@ -251,14 +251,16 @@ _UNUSED_NEXT = "_tfdp_next_iterator_unused"
 def keras_iterators_before_epoch(epochs_done: int, known_length: bool, steps_per_epoch) -> int | None:
     """How many iterators of its dataset Keras's ``fit`` on one device has made when it starts
     its epoch ``epochs_done`` (counted from the ``fit`` call's first epoch): two per epoch of
-    known length (the epoch's own and the unused one after it); an epoch of unknown length makes
-    one and teaches Keras the length, so the first counts one. None with ``steps_per_epoch``:
-    one iterator runs on across epochs, and where it stands is not a number of draws."""
+    known length (the epoch's own and the unused one after it); one per epoch of unknown
+    length (Keras 3.15 records one step more than the epoch had, so every epoch ends on the
+    end of its data and leaves its loop before it would make the next one). None with
+    ``steps_per_epoch``: one iterator runs on across epochs, and where it stands is not a
+    number of draws."""
     if steps_per_epoch:
         return None
     if epochs_done <= 0:
         return 0
-    return 2 * epochs_done if known_length else 2 * epochs_done - 1
+    return 2 * epochs_done if known_length else epochs_done
 
 
 def make_draws_of_iterators(dataset, count: int) -> None:
@@ -305,7 +307,10 @@ def patch_keras_epoch_iterators(applies) -> None:
     def make_get_iterator(original):
         def get_iterator(self):
             if vars(self).pop(_UNUSED_NEXT, False):
-                make_draws_of_iterators(self.data_adapter.get_tf_dataset(), 1)
+                # Only a dataset the user gave: other adapters build a new pipeline per call
+                # (numpy arrays copied again), whose draws no later epoch reads.
+                if type(self.data_adapter).__name__ == "TFDatasetAdapter":
+                    make_draws_of_iterators(self.data_adapter.get_tf_dataset(), 1)
                 return ()
             return original(self)
 

@@ -252,9 +252,16 @@ def _gather_across_workers(components, spec: ShardSpec):
             return strategy.run(replica_ops.all_gather, args=(slices,))
         _whole_reads[strategy] = gather
     local = list(components)
-    base = strategy.cluster.rank * len(local)  # global id of this worker's first replica
-    slices = strategy.experimental_distribute_values_from_function(
-        lambda context: local[context.replica_id_in_sync_group - base].value())
+
+    def local_slice(context):  # the global replica id -> this worker's slice of it
+        index = context.replica_id_in_sync_group - spec.first_shard
+        if not 0 <= index < len(local):
+            raise ValueError(f"tfdp: replica {context.replica_id_in_sync_group} holds no slice "
+                             f"of {spec.name!r} on this worker (slices {spec.first_shard}.."
+                             f"{spec.first_shard + len(local) - 1}).")
+        return local[index].value()
+
+    slices = strategy.experimental_distribute_values_from_function(local_slice)
     with deadline.collective_outside_step(
             strategy, f"reading the sharded variable {spec.name!r} whole", _WHOLE_READ_FIX,
             kind="whole-read", first=first):

@@ -167,8 +167,8 @@ def _call_as_unit(layer, original, args, kwargs):
         slices = [c.components[replica].value() for c in containers]
     inputs = [flat[i] for i in positions]
     built = {}
-    compiled = _compiled_call(layer, original, flat, positions, args, kwargs, containers) \
-        if compiles_units() else None
+    compiled = (_compiled_call(layer, original, flat, positions, args, kwargs, containers)
+                if compiles_units() and _compilable(layer, inputs) else None)
 
     def run(tensors, slice_values):
         if compiled is not None:
@@ -225,13 +225,30 @@ def _call_inside_unit(layer, original, flat, positions, args, kwargs, tensors, r
 _compiled_calls = weakref.WeakKeyDictionary()
 
 
-def _static_key(flat, positions):
+def _static_key(args, kwargs, flat, positions):
+    """What a compiled call is traced for besides its tensors' types: where every argument
+    sits in the call's structure (``f(x, mask=m)`` is not ``f(x, m)``) and the value of each
+    non-tensor one. None where one cannot be hashed: no sharing between calls."""
+    structure = repr(tf.nest.map_structure(lambda _: 0, (args, kwargs)))
     try:
-        key = tuple((i, v) for i, v in enumerate(flat) if i not in positions)
+        key = (structure, tuple((i, v) for i, v in enumerate(flat) if i not in positions))
         hash(key)
         return key
-    except TypeError:  # an unhashable argument: no sharing between calls
+    except TypeError:
         return None
+
+
+def _compilable(layer, tensors) -> bool:
+    """Whether a unit's call can run as its own XLA program: not where an input carries a
+    Keras mask (a traced function's arguments do not) or the layer adds an activity
+    regularizer's loss (a stateless scope keeps no losses); those run uncompiled (said once)."""
+    masked = any(getattr(t, "_keras_mask", None) is not None for t in tensors)
+    if not masked and getattr(layer, "activity_regularizer", None) is None:
+        return True
+    if said_once.first_time("uncompiled_unit", type(layer).__name__):
+        log.info("tfdp: ZeRO-3 under XLA: %s runs uncompiled (%s).", type(layer).__name__,
+                 "an input carries a Keras mask" if masked else "it has an activity regularizer")
+    return False
 
 
 def _compiled_call(layer, original, flat, positions, args, kwargs, containers):
@@ -245,7 +262,7 @@ def _compiled_call(layer, original, flat, positions, args, kwargs, containers):
             weights.append(variable)
     sharded = {id(c): i for i, c in enumerate(containers)}
     owner = [sharded.get(id(_tf_private.sharded_container(w))) for w in weights]
-    key = _static_key(flat, positions)
+    key = _static_key(args, kwargs, flat, positions)
     calls = _compiled_calls.setdefault(layer, {})
     function = calls.get(key) if key is not None else None
     if function is None:
