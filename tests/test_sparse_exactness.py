@@ -9,6 +9,8 @@ norm Keras takes on one device: of the rows as they are, not of the densified gr
 
 Each case trains a few steps of ``fit`` on 4 CPU replicas and compares the weights with one
 device at the same global batch; the guards show the old rules' gaps on the same models.
+Under ZeRO-3 (``shard_parameters=True``, issue 57) a sharded table's gradient is its slice
+of one device's rows, cut at element level (sharded_parameters._slice_of_sparse_gradient).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import keras
 
 import tfdp
 from tfdp.optimizers import sharded as sharded_module
-from tfdp.strategy import sparse_gradients
+from tfdp.strategy import sharded_parameters, sparse_gradients
 from tfdp.strategy.sparse_gradients import PER_EXAMPLE, SHARED, lookup_kind
 from tfdp import said_once
 from helpers import cpu_devices, initial_weights, train
@@ -105,7 +107,14 @@ OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
     "adagrad": lambda: keras.optimizers.Adagrad(0.1),
     "adamw_global_clipnorm": lambda: keras.optimizers.AdamW(0.01, global_clipnorm=0.1),
+    "adamw_clipnorm": lambda: keras.optimizers.AdamW(0.01, clipnorm=0.05),
+    "adam_accumulate": lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=2),
+    "adam_ema": lambda: keras.optimizers.Adam(0.01, use_ema=True),
 }
+# ZeRO-3: every table, kernel and position embedding of these models is sliced 4 ways (the
+# position tables' 48 elements in slices of 12: rows of 8 cross slice boundaries); Dense(3)'s
+# 24-element kernel and the biases stay mirrored.
+ZERO3_MIN_ELEMENTS = 32
 
 
 def _gap(a, b) -> float:
@@ -122,15 +131,21 @@ def _one_device(model_name, opt_name, jit_compile=False):
     return model.get_weights()
 
 
-def _four_replicas(model_name, opt_name, sharded=False, jit_compile=False):
+def _four_replicas(model_name, opt_name, sharded=False, jit_compile=False, zero3=False):
     model_fn, data_fn = MODELS[model_name]
     x, y = data_fn()
     make = OPTIMIZERS[opt_name]
     optimizer = (lambda: tfdp.ShardedOptimizer(make())) if sharded else make
-    strategy = tfdp.DataParallelStrategy(devices=cpu_devices(4))
+    strategy = tfdp.DataParallelStrategy(
+        devices=cpu_devices(4), **(dict(shard_parameters=True,
+                                        shard_min_elements=ZERO3_MIN_ELEMENTS) if zero3 else {}))
     model, _ = train(strategy, model_fn, optimizer, x, y, GLOBAL_BATCH, epochs=1,
                      weights=initial_weights(model_fn),
                      compile_kwargs={"jit_compile": jit_compile})
+    if zero3:
+        sharded_tables = [v for v in model.weights if "embedding" in v.path
+                          and sharded_parameters.is_sharded(v)]
+        assert sharded_tables, [v.path for v in model.weights]
     return model.get_weights()
 
 
@@ -186,6 +201,94 @@ def test_shared_lookup_under_the_xla_split_step(sharded):
     of the lookups; the plan made inside it travels with them (xla.py)."""
     gap = _gap_to_one_device("bert", "adam", sharded=sharded, jit_compile=True)
     assert gap < EXACT, f"sharded={sharded}: {gap:.2e}"
+
+
+# --- ZeRO-3: a sharded table's slice of one device's rows ---------------------------------------
+
+def test_elements_in_range_cuts_rows_at_element_level():
+    """Rows of 3 elements at indices [2, 1, 2] of a 4 x 3 table, cut to elements [4, 8) of the
+    flattened table (slice boundaries inside table rows 1 and 2): one entry per element of
+    each row in the range, duplicates kept, in row order; densified, the slice of the rows'
+    sum; squared, the rows' own squares (what Adam and the norms take), not the sum's."""
+    values = np.arange(1, 10, dtype=np.float32).reshape(3, 3)
+    rows = tf.IndexedSlices(tf.constant(values), tf.constant([2, 1, 2]), tf.constant([4, 3]))
+    part = sparse_gradients.elements_in_range(rows, 3, 4, 4)
+    np.testing.assert_array_equal(part.indices.numpy(), [2, 3, 0, 1, 2, 3])
+    np.testing.assert_array_equal(part.values.numpy(), [1, 2, 5, 6, 7, 8])
+    np.testing.assert_array_equal(part.dense_shape.numpy(), [4])
+    np.testing.assert_array_equal(tf.convert_to_tensor(part).numpy(), [5, 6, 8, 10])
+    assert float(tf.reduce_sum(part.values ** 2)) == 179.0  # the sum's squares: 225
+
+
+# The README's quick subset keeps one ZeRO-3 case (BERT-like, Adam: both kinds of lookup);
+# the others train for 5-16 s each on the 2-core host and run in the whole suite.
+def _zero3_case(model_name, opt_name):
+    quick = (model_name, opt_name) == ("bert", "adam")
+    return pytest.param(model_name, opt_name, id=f"{model_name}-{opt_name}",
+                        marks=() if quick else pytest.mark.slow)
+
+
+@pytest.mark.parametrize("model_name, opt_name", [
+    _zero3_case(m, o) for m in ("bert", "vit", "one_table") for o in ("adam", "adagrad")])
+def test_zero3_sparse_gradients_train_like_one_device(model_name, opt_name):
+    """Per-example token lookups with duplicates (bert, one_table), shared position lookups
+    (all three: ids [L] and [1, P]), one table looked up both ways (one_table)."""
+    gap = _gap_to_one_device(model_name, opt_name, zero3=True)
+    print(f"ZeRO-3 {model_name} {opt_name}: gap {gap:.1e}")
+    assert gap < EXACT, f"ZeRO-3 {model_name} {opt_name}: {gap:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opt_name", ["adamw_global_clipnorm", "adamw_clipnorm"])
+def test_zero3_clipping_takes_keras_norm_of_sparse_rows(opt_name):
+    """``global_clipnorm`` and ``clipnorm`` take the squared norm of a sliced table's rows as
+    they are (each slice's elements, added over replicas), as Keras does on one device."""
+    gap = _gap_to_one_device("bert", opt_name, zero3=True)
+    print(f"ZeRO-3 bert {opt_name}: gap {gap:.1e}")
+    assert gap < EXACT, f"ZeRO-3 bert {opt_name}: {gap:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opt_name", ["adam_accumulate", "adam_ema"])
+def test_zero3_sparse_gradients_with_accumulation_and_ema(opt_name):
+    """Keras's gradient accumulators (sliced; a sparse slice is added into them densely, as
+    one device adds its rows) and moving averages (sliced) take the sparse slices."""
+    gap = _gap_to_one_device("bert", opt_name, zero3=True)
+    print(f"ZeRO-3 bert {opt_name}: gap {gap:.1e}")
+    assert gap < EXACT, f"ZeRO-3 bert {opt_name}: {gap:.2e}"
+
+
+@pytest.mark.slow
+def test_zero3_sparse_gradients_under_xla():
+    """jit_compile=True: each unit compiled on its own (sharded_units.py); an Embedding's
+    lookup runs uncompiled, so its gradient keeps the graph that tells the lookups apart."""
+    gap = _gap_to_one_device("bert", "adam", zero3=True, jit_compile=True)
+    print(f"ZeRO-3 bert adam XLA: gap {gap:.1e}")
+    assert gap < EXACT, f"ZeRO-3 XLA: {gap:.2e}"
+
+
+def _dense_slice_of_sparse_gradient(slices, spec):
+    """ZeRO-3's rule before issue 57 (item 4): the sparse gradient made dense, then
+    reduce-scattered (rows at one index added before any square or norm)."""
+    flat = spec.flat_padded(tf.convert_to_tensor(slices))
+    return sharded_parameters.replica_ops.reduce_scatter(
+        tf.reshape(flat, [spec.num_shards, spec.shard_size]))
+
+
+@pytest.mark.parametrize("opt_name, bound", [
+    pytest.param("adam", 1e-3, id="adam"),
+    pytest.param("adamw_global_clipnorm", 10 * EXACT, id="adamw_global_clipnorm",
+                 marks=pytest.mark.slow)])
+def test_guard_zero3_dense_slices_are_not_one_device(monkeypatch, opt_name, bound):
+    """The old dense rule on the same model is far beyond EXACT: Adam squares the sum of a
+    token's rows (measured 4.0e-2); the global norm is of the summed table (1.1e-4: after the
+    clip Keras's Adam sees the dense gradient on one device too, and only the clip's scale
+    differs, which Adam's normalisation mostly absorbs)."""
+    monkeypatch.setattr(sharded_parameters, "_slice_of_sparse_gradient",
+                        _dense_slice_of_sparse_gradient)
+    gap = _gap_to_one_device("bert", opt_name, zero3=True)
+    print(f"ZeRO-3 bert {opt_name}, dense rule: gap {gap:.1e}")
+    assert gap > bound, gap
 
 
 def test_a_gradient_of_unknown_form_is_gathered_and_said(strategy4, caplog):

@@ -34,6 +34,24 @@ mirrored variables' gradients; the sharded ones arrive reduce-scattered. Norms o
 tensors (``clipnorm``, ``global_clipnorm``) add each replica's squared slice norms in one
 scalar all-reduce (``clip_gradients``), so clipping equals one device's.
 
+A sparse gradient of a sharded table (``tf.IndexedSlices``: an Embedding's looked-up rows)
+is not made dense. One device's optimizers use its rows as they come (Adam squares each row
+before rows at one index are added; ``clipnorm`` and ``global_clipnorm`` take the norm of
+the rows), so the gather's gradient reduces the rows as unsharded tfdp does
+(sparse_gradients.py: per-example lookups' rows concatenated in replica order, a lookup
+shared by the batch summed position by position) and keeps this replica's elements of them:
+a ``tf.IndexedSlices`` of the 1-D slice with one entry per element of every row, rows at one
+index not added (``_slice_of_sparse_gradient``), which Keras's optimizer scatters into the
+slice. Squares and norms are elementwise, so they are one device's; the squared norm of a
+sparse gradient is that of its entries (``_squared_norm``), as Keras takes it. Every replica
+holds the reduced rows while it cuts them (what unsharded tfdp holds: N x the lookups per
+replica x the row width, which exceeds the dense table's gradient, the old rule's, where the
+global batch looks up more rows than the table has); the slice's gradient, what stays until
+the update, holds the elements of the rows that reach into the slice (about 1/N of them where
+ids spread over the table; every row of a frequent id, such as padding, is its owner's).
+Under XLA a unit called on integer ids runs uncompiled (sharded_units._compilable): a
+compiled program's gradient loses the graph that tells the kinds of lookups apart.
+
 Memory between steps, per replica: (parameters + gradients + optimizer state) / R for the
 sharded variables. During a step this first stage keeps each gathered parameter until the
 backward pass has used it (TensorFlow's gradient of a matmul holds its operand), i.e. the
@@ -199,19 +217,48 @@ class reading_given_slices(object):  # noqa: N801 (a context manager)
 
 def _gather_with_reduce_scatter_gradient(shard, spec: ShardSpec):
     """The whole tensor from every replica's slice; backward: this slice's summed gradient."""
-    num_shards, size = spec.num_shards, spec.shard_size
 
     @tf.custom_gradient
     def gather(x):
         whole = spec.whole_from_flat(replica_ops.all_gather(x))
 
         def grad(dy):
-            flat = spec.flat_padded(tf.convert_to_tensor(dy))
-            return replica_ops.reduce_scatter(tf.reshape(flat, [num_shards, size]))
+            return _slice_of_gradient(dy, spec)
 
         return whole, grad
 
     return gather(shard)
+
+
+def _slice_of_gradient(whole_gradient, spec: ShardSpec):
+    """This replica's slice of the sum over replicas of ``whole_gradient`` (a gradient of the
+    whole tensor): a dense one reduce-scattered, a sparse one (``tf.IndexedSlices``) in one
+    device's form (``_slice_of_sparse_gradient``)."""
+    if isinstance(whole_gradient, tf.IndexedSlices):
+        return _slice_of_sparse_gradient(whole_gradient, spec)
+    flat = spec.flat_padded(tf.convert_to_tensor(whole_gradient))
+    return replica_ops.reduce_scatter(tf.reshape(flat, [spec.num_shards, spec.shard_size]))
+
+
+def _slice_of_sparse_gradient(slices, spec: ShardSpec):
+    """This replica's slice of a sparse gradient (an Embedding's rows) as one device has it.
+
+    The replicas' rows are reduced as unsharded tfdp reduces them (per-example lookups'
+    rows concatenated in replica order, shared lookups' rows summed position by position:
+    sparse_gradients.reduce_indexed_slices), then cut at element level: each row's elements
+    of this replica's slice, one entry per element of every row, duplicates kept
+    (sparse_gradients.elements_in_range). Every replica holds the reduced rows for a moment,
+    as unsharded tfdp does; what stays (the gradient the optimizer applies) is the slice's.
+    """
+    from tfdp.strategy import sparse_gradients, wire
+
+    strategy = spec.strategy
+    rows = sparse_gradients.reduce_indexed_slices([slices], strategy,
+                                                  wire.collective_options(strategy))[0]
+    width = spec.num_elements // max(1, int(spec.shape[0])) if spec.shape.rank else 1
+    start = replica_ops.global_replica_id(strategy) * spec.shard_size
+    part = sparse_gradients.elements_in_range(rows, width, start, spec.shard_size)
+    return tf.IndexedSlices(tf.cast(part.values, spec.dtype), part.indices, part.dense_shape)
 
 
 def gather_slice(shard, spec: ShardSpec):
@@ -224,11 +271,11 @@ def gather_slice(shard, spec: ShardSpec):
 
 def slice_gradient(variable, whole_gradient):
     """This replica's slice of the sum over replicas of ``whole_gradient`` (a gradient taken
-    with respect to the gathered tensor, as tfdp's XLA step does): the reduce-scatter a
-    replica's read would have run in the backward pass."""
+    with respect to the gathered tensor, as tfdp's XLA step does): what a replica's read
+    would have run in the backward pass (a sparse gradient kept sparse, in one device's
+    form)."""
     spec = _tf_private.sharded_container(getattr(variable, "value", variable)).tfdp_spec
-    flat = spec.flat_padded(tf.convert_to_tensor(whole_gradient))
-    return replica_ops.reduce_scatter(tf.reshape(flat, [spec.num_shards, spec.shard_size]))
+    return _slice_of_gradient(whole_gradient, spec)
 
 
 # strategy -> the one traced function that gathers a sharded variable whole across workers.
@@ -426,8 +473,12 @@ def _sum_over_replicas(value):
 
 
 def _squared_norm(g):
-    g = tf.convert_to_tensor(g)
-    return tf.reduce_sum(tf.square(tf.cast(g, tf.float32)))
+    """Keras's squared norm of a gradient: of a sparse one, of its rows (or elements) as they
+    are, duplicates not added first (``ops.square`` keeps IndexedSlices), as one device
+    takes it for ``global_clipnorm`` and tf.clip_by_norm for ``clipnorm``."""
+    if isinstance(g, tf.IndexedSlices):
+        g = g.values
+    return tf.reduce_sum(tf.square(tf.cast(tf.convert_to_tensor(g), tf.float32)))
 
 
 def clip_gradients(optimizer, grads, variables, original_clip):
@@ -463,7 +514,11 @@ def clip_gradients(optimizer, grads, variables, original_clip):
 
 
 def _clip_by_norm_with(t, clip_norm, l2sum):
-    """tf.clip_by_norm's arithmetic for ``t`` whose squared norm is ``l2sum``."""
+    """tf.clip_by_norm's arithmetic for ``t`` whose squared norm is ``l2sum`` (a sparse ``t``
+    stays sparse, its values clipped, as tf.clip_by_norm keeps it)."""
+    if isinstance(t, tf.IndexedSlices):
+        return tf.IndexedSlices(_clip_by_norm_with(t.values, clip_norm, l2sum), t.indices,
+                                t.dense_shape)
     l2sum = tf.cast(l2sum, t.dtype)
     positive = l2sum > 0
     safe = tf.where(positive, l2sum, tf.ones_like(l2sum))

@@ -240,14 +240,21 @@ def _static_key(args, kwargs, flat, positions):
 
 def _compilable(layer, tensors) -> bool:
     """Whether a unit's call can run as its own XLA program: not where an input carries a
-    Keras mask (a traced function's arguments do not) or the layer adds an activity
-    regularizer's loss (a stateless scope keeps no losses); those run uncompiled (said once)."""
+    Keras mask (a traced function's arguments do not), the layer adds an activity
+    regularizer's loss (a stateless scope keeps no losses) or an input is integer (ids: an
+    Embedding's lookup, whose gradient is sparse rows; a compiled program returns them without
+    the graph that tells per-example lookups from lookups shared by the batch, so they could
+    not be reduced as one device has them, sparse_gradients.py); those run uncompiled (said
+    once)."""
     masked = any(getattr(t, "_keras_mask", None) is not None for t in tensors)
-    if not masked and getattr(layer, "activity_regularizer", None) is None:
+    ids = any(t.dtype.is_integer for t in tensors)
+    if not masked and not ids and getattr(layer, "activity_regularizer", None) is None:
         return True
     if said_once.first_time("uncompiled_unit", type(layer).__name__):
         log.info("tfdp: ZeRO-3 under XLA: %s runs uncompiled (%s).", type(layer).__name__,
-                 "an input carries a Keras mask" if masked else "it has an activity regularizer")
+                 "an input carries a Keras mask" if masked
+                 else "it is called on integer ids: a lookup, whose gradient is sparse" if ids
+                 else "it has an activity regularizer")
     return False
 
 

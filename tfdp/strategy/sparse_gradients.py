@@ -51,7 +51,7 @@ from tfdp import _tf_private, said_once
 from tfdp.strategy import replica_batch
 
 __all__ = ["PER_EXAMPLE", "SHARED", "lookup_kind", "reduce_indexed_slices", "lookup_plans",
-           "remember_plans"]
+           "remember_plans", "elements_in_range"]
 
 log = logging.getLogger("tfdp")
 
@@ -235,3 +235,26 @@ def reduce_indexed_slices(grads, strategy, options=None) -> list:
                 indices.append(tf.cast(reduced[k].indices, g.indices.dtype))
         out.append(tf.IndexedSlices(tf.concat(values, 0), tf.concat(indices, 0), g.dense_shape))
     return out
+
+
+def elements_in_range(slices, width, start, size):
+    """The elements of ``slices``' rows (each ``width`` elements) that fall in ``[start, start
+    + size)`` of the flattened table, as a ``tf.IndexedSlices`` of a 1-D tensor of ``size``
+    elements: one entry per element of every row, in row order, indices relative to
+    ``start``; rows at one index are not added (ZeRO-3's slice of one device's sparse
+    gradient, sharded_parameters.py). Elementwise rules (Adam's and Adagrad's squares, the
+    squared norms of ``clipnorm`` and ``global_clipnorm``) give on these elements what they
+    give on the rows. Only the rows that reach into the range are expanded to elements.
+    ``width``, ``start`` and ``size`` are ints.
+    """
+    first = tf.cast(slices.indices, tf.int64) * width - start  # each row's first element, local
+    reaches = tf.logical_and(first < size, first + width > 0)
+    rows = tf.reshape(tf.where(reaches), [-1])
+    first = tf.gather(first, rows)
+    values = tf.gather(tf.reshape(slices.values, [-1, width]), rows)
+    elements = first[:, None] + tf.range(width, dtype=tf.int64)[None, :]
+    inside = tf.logical_and(elements >= 0, elements < size)
+    dtype = tf.int32 if size < 2 ** 31 else tf.int64  # local indices: half the bytes
+    return tf.IndexedSlices(tf.boolean_mask(values, inside),
+                            tf.cast(tf.boolean_mask(elements, inside), dtype),
+                            tf.constant([size], dtype))
