@@ -1092,3 +1092,18 @@ def test_keras_distribution_internals_where_tfdp_puts_keras_distribution_on_tfdp
     assert front.GLOBAL_ATTRIBUTE_NAME == "distribution"
     kd.set_keras_distribution_quietly(None)
     assert keras.distribution.distribution() is None
+
+
+def test_operations_since_gives_the_ops_added_after_a_bookmark_without_copying_the_graph():
+    import tensorflow as tf
+
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.constant(1.0, name="before")
+        mark = _tf_private.operation_count(graph)
+        added = [tf.constant(2.0, name="after_a").op, tf.constant(3.0, name="after_b").op]
+    assert mark == 1 == len(graph.get_operations()) - 2
+    assert _tf_private.operations_since(graph, mark) == added
+    assert _tf_private.operations_since(graph, graph.version) == []
+    # The list TensorFlow hands out is its own, not a copy (what makes the read linear).
+    assert graph.operations is graph.operations

@@ -180,3 +180,11 @@ def test_group_rank_order_follows_tensorflow():
     assert replica_ops.group_rank_order(_fake_strategy(2, swapped)) == [1, 0, 3, 2]
     assert replica_ops.all_to_all_is_exact(_fake_strategy(1, cpus * 5))
     assert not replica_ops.all_to_all_is_exact(_fake_strategy(1, cpus * 6))
+
+
+def test_zero3_theory_is_sixteen_bytes_over_n_plus_the_two_largest_units():
+    # 1,000 parameters on 4 replicas: 4,000 bytes of sharded state each, plus the two
+    # largest units (300 and 200 parameters) gathered whole in float32.
+    assert zm.zero3_theory_bytes(1000, [100, 300, 200, 50], 4) == 4000 + 4 * 500
+    # More replicas shrink only the sharded part; the gathered units stay.
+    assert zm.zero3_theory_bytes(1000, [300, 200], 8) == 2000 + 4 * 500

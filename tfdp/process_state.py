@@ -112,6 +112,8 @@ HOLDERS = (
            lambda m: m._latest is not None, lambda m: _set(m, "_latest", None)),
     Holder("running backup", "tfdp.callbacks._running", lambda m: m._backup is not None,
            lambda m: _set(m, "_backup", None)),
+    Holder("ZeRO-3 whole reads", "tfdp.strategy.whole_reads", lambda m: m.registered(),
+           lambda m: m.clear()),
 )
 
 

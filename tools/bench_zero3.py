@@ -6,7 +6,10 @@ the backward pass) and ``zero3_keep`` (``reshard_after_forward=False``: no recom
 Layouts: ``4x1`` (one process, 4 logical CPU replicas) and ``2x2`` (``tfdp-run --workers 2
 --cpu-replicas 2``, real processes on 127.0.0.1). Each run is a fresh process (or job): a
 ``--depth`` x ``--width`` MLP on ``--width`` inputs, Adam, ``fit`` for ``--warmup`` + ``--steps``
-steps of global batch ``--batch``; the median time of the timed steps.
+steps of global batch ``--batch``; the median time of the timed steps. A configuration with
+the suffix ``_xla`` compiles with ``jit_compile=True``: ``zero3_xla`` compiles each unit on its
+own (tfdp's ZeRO-3 under XLA), ``zero3_keep_xla`` the whole step with every parameter gathered
+(what ZeRO-3 under XLA was before units: the baseline of issue 57's step-time bound, 1.25x).
 
 A round runs every (layout, configuration) once, in an order rotated every round; each
 round's ratio to ``unsharded`` is taken within the round (this host's noise between processes
@@ -29,6 +32,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app, flags  # noqa: E402
 
 CONFIGS = ("unsharded", "zero2", "zero3", "zero3_keep")
+XLA_CONFIGS = ("unsharded_xla", "zero3_xla", "zero3_keep_xla")
 LAYOUTS = ("4x1", "2x2")
 
 FLAGS = flags.FLAGS
@@ -58,7 +62,7 @@ def _child():
 
     if "TF_CONFIG" not in os.environ:
         tfdp.configure_cpu_replicas(FLAGS.child_replicas)
-    config = FLAGS.child
+    config, jit = FLAGS.child.removesuffix("_xla"), FLAGS.child.endswith("_xla")
     strategy = tfdp.DataParallelStrategy(shard_parameters=config.startswith("zero3"),
                                          reshard_after_forward=config != "zero3_keep")
     rng = np.random.default_rng(0)
@@ -73,7 +77,7 @@ def _child():
         optimizer = keras.optimizers.Adam(1e-4)
         if config == "zero2":
             optimizer = tfdp.ShardedOptimizer(optimizer)
-        model.compile(optimizer=optimizer,
+        model.compile(optimizer=optimizer, jit_compile=jit,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     times = []
 
@@ -129,6 +133,12 @@ def main(argv):
         _write(FLAGS.out, rows)
 
 
+def base_of(config, configs) -> str:
+    """What ``config`` is compared with: unsharded tfdp compiled alike where it was run. Pure."""
+    base = "unsharded_xla" if config.endswith("_xla") else "unsharded"
+    return base if base in configs else "unsharded"
+
+
 def ratios(rows, layout, config, base="unsharded") -> list:
     """Per-round ratio of ``config``'s step time to ``base``'s, same layout. Pure."""
     by = {(r["round"], r["layout"], r["config"]): r["step_ms"] for r in rows}
@@ -151,14 +161,20 @@ def _write(out, rows):
                 f"batch {FLAGS.batch}, median of {FLAGS.steps} steps after {FLAGS.warmup}, each "
                 "run a fresh process (4x1) or tfdp-run job (2x2) on this 2-core host; ratios "
                 "to unsharded tfdp within each round.\n\n"
-                "| layout | configuration | ms/step (median of rounds) | / unsharded: median | range |\n"
-                "|---|---|---:|---:|---|\n")
+                "| layout | configuration | ms/step (median of rounds) | / base | base: "
+                "median ratio | range |\n|---|---|---:|---|---:|---|\n")
         for layout in FLAGS.layouts:
             for config in FLAGS.configs:
                 ms = [r["step_ms"] for r in rows if r["layout"] == layout and r["config"] == config]
-                q = ratios(rows, layout, config)
-                f.write(f"| {layout} | {config} | {statistics.median(ms):.1f} | "
+                base = base_of(config, FLAGS.configs)
+                q = ratios(rows, layout, config, base) or [float("nan")]
+                f.write(f"| {layout} | {config} | {statistics.median(ms):.1f} | {base} | "
                         f"{statistics.median(q):.2f} | {min(q):.2f}-{max(q):.2f} |\n")
+            if {"zero3_xla", "zero3_keep_xla"} <= set(FLAGS.configs):
+                q = ratios(rows, layout, "zero3_xla", "zero3_keep_xla")
+                f.write(f"\n{layout}: ZeRO-3 with units compiled each on its own against the "
+                        f"whole-gathered compiled step: median {statistics.median(q):.2f}x "
+                        f"(range {min(q):.2f}-{max(q):.2f}; issue 57's bound 1.25x).\n\n")
     print(f"wrote {out}.md, {out}.csv")
 
 

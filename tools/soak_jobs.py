@@ -21,6 +21,10 @@ Jobs (``--jobs``):
 * ``readme``: the README's ``tfdp-run --workers 2 --cpu-replicas 2 -- python
   examples/multi_worker.py``.
 * ``hvd_keras``, ``hvd_synthetic``: the Horovod examples under ``tfdp-run -np 2``.
+* ``zero3``: ZeRO-3 on 2 workers x 2 replicas (issue 57's hang report:
+  tests/workers/mw_zero3_mlp.py, a 16-64-64-4 MLP with Adam, 2 epochs of 8 steps, the chief's
+  save served by the other worker); check: both workers' final weights and the chief's saved
+  model equal one device's (1e-5).
 
 Output: a table per job, OUT/soak.json, OUT/soak.png (runs per outcome and job, and each run's
 duration). Processes are killed by process group (each job runs in a session of its own),
@@ -144,6 +148,30 @@ def _check_rebuild(out, rounds):
     return None
 
 
+_zero3_reference: list = []
+
+
+def _check_zero3(out):
+    import numpy as np
+
+    sys.path.insert(0, WORKERS)
+    import keras
+    import mw_zero3_mlp
+
+    if not _zero3_reference:
+        _zero3_reference.extend(mw_zero3_mlp.one_device())
+    saved = {f"rank {r}": [np.load(os.path.join(out, f"weights-{r}.npz"))[f"arr_{i}"]
+                           for i in range(len(_zero3_reference))] for r in range(2)}
+    saved["the chief's save"] = keras.saving.load_model(
+        os.path.join(out, "model.keras")).get_weights()
+    for who, weights in saved.items():
+        for i, (a, b) in enumerate(zip(weights, _zero3_reference)):
+            gap = float(np.max(np.abs(a - b)))
+            if gap > 1e-5:
+                return f"{who}: weight {i} is {gap:.2e} off one device"
+    return None
+
+
 def job(name, out, rebuild_rounds):
     """(command, environment, check) of job ``name`` writing into ``out``."""
     if name == "hvd_fit":
@@ -170,8 +198,12 @@ def job(name, out, rebuild_rounds):
                           os.path.join(ROOT, "examples", "horovod_synthetic_benchmark.py"),
                           "--num_iters", "2", "--num_batches_per_iter", "2"),
                 _job_env(out), lambda: None)
+    if name == "zero3":
+        return (_tfdp_run("--workers", "2", "--cpu-replicas", "2", "--output", "all", "--",
+                          sys.executable, os.path.join(WORKERS, "mw_zero3_mlp.py")),
+                _job_env(out), lambda: _check_zero3(out))
     raise ValueError(f"unknown job {name!r}: one of hvd_fit, rebuild, readme, hvd_keras, "
-                     "hvd_synthetic")
+                     "hvd_synthetic, zero3")
 
 
 # --- running -------------------------------------------------------------------------------

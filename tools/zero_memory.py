@@ -156,6 +156,14 @@ TRAFFIC = {"unsharded": "all_reduce", "ZeRO-1": "zero", "unsharded, k-step acc":
            "ZeRO-2 sharded acc": "zero2_sharded", "ZeRO-2 local acc": "zero"}
 
 
+def zero3_theory_bytes(params: int, unit_params, num_replicas: int) -> float:
+    """ZeRO-3's model state per replica in theory: 16/N bytes per parameter (float32
+    parameters, gradients and Adam's two moments, each 1/N) plus the two largest units'
+    parameters gathered whole (float32); activations not included. Pure."""
+    two = sorted(unit_params, reverse=True)[:2]
+    return 16.0 * params / num_replicas + 4.0 * sum(two)
+
+
 def vm_hwm_bytes() -> int:
     """This process's peak resident memory (VmHWM), in bytes (Linux)."""
     with open("/proc/self/status") as f:
@@ -270,6 +278,7 @@ def _peak_child(FLAGS):
     print("PEAK " + json.dumps(dict(
         config=FLAGS.peak_child, replicas=n, model=FLAGS.peak_model, params=model.count_params(),
         growth=growth, allocator_peak=allocator_peak,
+        units=[layer.count_params() for layer in model.layers],
         seconds=time.perf_counter() - start)), flush=True)
 
 
@@ -625,21 +634,32 @@ def _write_peak(out, results):
         "CPU allocator's own peak (MB), which leaves out its free lists and the traced graphs; "
         f"*/ {base}*: VmHWM growth over that of {PEAK_LABELS[base]} at the same N. Median of "
         f"{max(r['round'] for r in results) + 1} measurement(s).", "",
-        "| N | configuration | VmHWM growth (MB) | allocator peak (MB) | / " + base + " |",
-        "|---:|---|---:|---:|---:|",
+        "*Per replica*: the growth and the allocator peak divided by N (every replica is in "
+        "this one process), against ZeRO-3's theory per replica, 16/N bytes per parameter "
+        "(float32 parameters, gradients, Adam's two moments) plus the two largest units' "
+        "parameters (float32), activations left out.", "",
+        "| N | configuration | VmHWM growth (MB) | allocator peak (MB) | / " + base + " | "
+        "per replica: growth, allocator peak (MB) | theory per replica (MB) | "
+        "allocator peak / theory |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
+    units = results[0].get("units") or []
     for n in counts:
+        theory = zero3_theory_bytes(params, units, n) if units else float("nan")
         for config in configs:
             growth = median(config, n, "growth")
+            peak = median(config, n, "allocator_peak")
             lines.append(f"| {n} | {PEAK_LABELS[config]} | {growth / 1e6:,.0f} | "
-                         f"{median(config, n, 'allocator_peak') / 1e6:,.0f} | "
-                         f"{growth / median(base, n, 'growth'):.2f} |")
+                         f"{peak / 1e6:,.0f} | "
+                         f"{growth / median(base, n, 'growth'):.2f} | "
+                         f"{growth / n / 1e6:,.0f}, {peak / n / 1e6:,.0f} | "
+                         f"{theory / 1e6:,.0f} | {peak / n / theory:.2f} |")
     with open(out + "_peak.md", "w") as f:
         f.write("\n".join(lines) + "\n")
-    _plot_peak(out + "_peak.png", results, counts, configs, median)
+    _plot_peak(out + "_peak.png", results, counts, configs, median, units, params)
 
 
-def _plot_peak(path, results, counts, configs, median):
+def _plot_peak(path, results, counts, configs, median, units=(), params=0):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -649,10 +669,16 @@ def _plot_peak(path, results, counts, configs, median):
     width = 0.8 / max(1, len(configs))
     xs = np.arange(len(counts))
     for j, config in enumerate(configs):
-        ax.bar(xs + j * width, [median(config, n, "growth") / 1e6 for n in counts], width,
-               label=PEAK_LABELS[config], color=f"C{j}")
+        ax.bar(xs + j * width, [median(config, n, "allocator_peak") / n / 1e6 for n in counts],
+               width, label=PEAK_LABELS[config], color=f"C{j}")
+    if units:
+        for k, n in enumerate(counts):
+            theory = zero3_theory_bytes(params, units, n) / 1e6
+            ax.hlines(theory, xs[k] - width / 2, xs[k] + width * (len(configs) - 0.5),
+                      colors="black", linestyles="dashed",
+                      label="ZeRO-3 theory: 16/N B/param + two largest units" if k == 0 else None)
     ax.set_xticks(xs + width * (len(configs) - 1) / 2, [f"N={n}" for n in counts])
-    ax.set_ylabel("VmHWM growth over build + fit (MB)")
+    ax.set_ylabel("TensorFlow allocator peak per replica (MB)")
     ax.set_title(f"Peak resident memory, MLP {results[0]['model']} "
                  f"({results[0]['params'] / 1e6:.1f}M parameters), Adam")
     ax.legend(fontsize=8)

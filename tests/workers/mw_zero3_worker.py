@@ -7,11 +7,18 @@ from every worker), and writes this worker's final weights (get_weights: whole t
 the shape of every slice it holds to OUT/weights-<rank>.npz.
 
 Env knobs: TFDP_TEST_OUT, TFDP_TEST_MODEL, TFDP_TEST_OPTIMIZER (keys of tests/zero3_cases.py),
-TFDP_TEST_JIT=1 (compile with jit_compile=True: ZeRO-3's units compiled each on its own).
+TFDP_TEST_JIT=1 (compile with jit_compile=True: ZeRO-3's units compiled each on its own),
+TFDP_TEST_SAVE_ON=chief (Horovod's idiom instead: only the chief saves OUT/model.keras and
+reads the weights, printing ``rank 0: saving at <time>``, then ``rank 0: saved in <s> s`` or
+``rank 0: <Error> at <time>: <message>``; the other workers end their script, and serve the
+chief's reads from their exit, or, with TFDP_TEST_OTHER=wait, print ``rank R: waiting`` and
+block, alive: the test kills them).
 """
 
 import os
 import shutil
+import threading
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -38,6 +45,24 @@ with strategy.scope():
 
 train = tfdp.data.distribute(strategy, tf.data.Dataset.from_tensor_slices((x, y)), 64)
 history = model.fit(train, epochs=2, verbose=0)
+
+if os.environ.get("TFDP_TEST_SAVE_ON", "all") == "chief":
+    if strategy.cluster.is_chief:
+        print(f"rank 0: saving at {time.time():.3f}", flush=True)
+        start = time.monotonic()
+        try:
+            model.save(os.path.join(out, "model.keras"))
+            weights = model.get_weights()
+        except Exception as e:  # noqa: BLE001 (the test reads the type and message)
+            print(f"rank 0: {type(e).__name__} at {time.time():.3f}: {e}", flush=True)
+            raise SystemExit(1)
+        print(f"rank 0: saved in {time.monotonic() - start:.1f} s", flush=True)
+        np.savez(os.path.join(out, "weights-0.npz"), *weights)
+    elif os.environ.get("TFDP_TEST_OTHER") == "wait":
+        print(f"rank {rank}: waiting", flush=True)
+        threading.Event().wait()  # alive, never taking part: the test kills this process
+    print(f"rank {rank}: done", flush=True)
+    raise SystemExit(0)
 
 target = tfdp.callbacks.write_path(os.path.join(out, "model.keras"), strategy)
 os.makedirs(os.path.dirname(target), exist_ok=True)

@@ -71,6 +71,8 @@ from tfdp._tf_private.distribute import (
     _collective_ops,
     abort_collective_ops,
     add_control_input,
+    operation_count,
+    operations_since,
     all_gather,
     broadcast,
     all_reduce,
@@ -216,7 +218,7 @@ __all__ = [
     "CollectiveAllReduceExtended", "StrategyBase", "DistributedValues", "SingleDevice",
     "EXTENDED_HOOKS", "COLLECTIVE_OP_FUNCTIONS", "set_collective_key_base",
     "extended_num_workers", "communication_options", "map_distributed", "in_xla_context",
-    "all_to_all", "collective_launchers", "all_gather", "broadcast", "all_reduce", "add_control_input", "local_replica_id",
+    "all_to_all", "collective_launchers", "all_gather", "broadcast", "all_reduce", "add_control_input", "operation_count", "operations_since", "local_replica_id",
     "run_independently", "patch_collective_ops", "abort_collective_ops",
     # data
     "set_distributed_dataset_cardinality", "skip_end_of_data_agreement",

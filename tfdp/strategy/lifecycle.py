@@ -14,7 +14,9 @@ strategy's collectives and from the Keras integration. Four rules, one per mecha
 * Leaving together (the orderly exit, below).
 
 Orderly exit. At interpreter exit, unless the process is failing (an uncaught exception, or a non-zero
-``sys.exit``), every worker waits at one coordination-service barrier (at most the strategy's
+``sys.exit``), every worker first runs the hooks given to ``before_leaving`` (ZeRO-3's
+whole-tensor reads: the chief lets the others go, the others serve its reads until it does,
+whole_reads.py), then waits at one coordination-service barrier (at most the strategy's
 collective timeout; it fails as soon as the service finds a peer dead), then the chief, whose
 process hosts the service, waits until the other workers' processes are gone (at most
 ``CHIEF_EXIT_DRAIN_SECONDS``) before it exits. Failing exits never wait and keep their exit
@@ -45,7 +47,7 @@ import time
 from tfdp.cluster import ClusterConfig
 from tfdp.protocol import ORDERLY_EXIT_ENV, READY_FILE_ENV
 
-__all__ = ["register", "release", "leave_together_at_exit", "announce_joining", "announce_joined",
+__all__ = ["register", "release", "before_leaving", "leave_together_at_exit", "announce_joining", "announce_joined",
            "take_back_sigterm", "job", "ORDERLY_EXIT_ENV", "CHIEF_EXIT_DRAIN_SECONDS"]
 
 log = logging.getLogger("tfdp")
@@ -180,6 +182,17 @@ def _wait_until_gone(addresses, timeout_seconds: float) -> list:
     return remaining
 
 
+# Run at an orderly exit before the barrier, in order: hook(cluster, timeout_seconds).
+_before_leaving = []
+
+
+def before_leaving(hook) -> None:
+    """Runs ``hook(cluster, timeout_seconds)`` at this worker's orderly exit, before the exit
+    barrier (once, however often it is given)."""
+    if hook not in _before_leaving:
+        _before_leaving.append(hook)
+
+
 class _OrderlyExit:
     """Process-wide exit handler of multi-worker strategies (see the module docstring)."""
 
@@ -232,6 +245,12 @@ class _OrderlyExit:
 
             if not _tf_private.coordination_service_configured():
                 return
+            for hook in list(_before_leaving):
+                try:
+                    hook(cluster, self._timeout)
+                except Exception as e:  # noqa: BLE001 (an exit handler must not raise)
+                    log.warning("tfdp: orderly exit: %s failed: %s: %s", getattr(
+                        hook, "__qualname__", hook), type(e).__name__, str(e)[:300])
             _tf_private.wait_at_coordination_barrier(_EXIT_BARRIER_ID, self._timeout)
         except Exception as e:  # noqa: BLE001 (an exit handler must not raise)
             reason = (str(e).splitlines() or [""])[0][:200]
@@ -269,4 +288,5 @@ def release() -> None:
     they were before the first multi-worker strategy (tests, programs that embed tfdp)."""
     global _job
     _orderly_exit.release()
+    _before_leaving.clear()
     _job = None

@@ -69,7 +69,7 @@ import keras
 import tensorflow as tf
 
 from tfdp import _tf_private
-from tfdp.strategy import collectives, deadline, gradient_hooks, replica_ops
+from tfdp.strategy import collectives, deadline, gradient_hooks, replica_ops, whole_reads
 
 __all__ = ["ShardSpec", "shard_layout", "owner_of", "DEFAULT_SHARD_MIN_ELEMENTS",
            "is_sharded", "clip_gradients", "sharded_bytes_per_replica", "slice_gradient",
@@ -115,6 +115,7 @@ class ShardSpec:
             its slice).
         strategy: the strategy that created it.
         name: the variable's name, for errors.
+        read_id: its id for whole reads on several workers (whole_reads.py; "" otherwise).
     """
 
     shape: tf.TensorShape
@@ -124,6 +125,7 @@ class ShardSpec:
     kind: str
     strategy: object
     name: str = ""
+    read_id: str = ""
 
     @property
     def num_elements(self) -> int:
@@ -282,8 +284,10 @@ def slice_gradient(variable, whole_gradient):
 _whole_reads = weakref.WeakKeyDictionary()
 
 
-def _gather_across_workers(components, spec: ShardSpec):
-    """Eagerly, every slice from every worker (a collective all workers run together).
+def _gather_across_workers(components, spec: ShardSpec, serving: bool = False):
+    """Eagerly, every slice from every worker (a collective all workers run together; the
+    chief leads it and the other workers take part by the same call or by serving it,
+    whole_reads.py; ``serving``: this is a worker serving the chief's read).
 
     One traced function per strategy, taking the slices as arguments (shapes relaxed after
     the second size): saving a model gathers every variable, and neither a save nor a backup
@@ -291,6 +295,9 @@ def _gather_across_workers(components, spec: ShardSpec):
     and TensorFlow warned of retracing at every job's first save).
     """
     strategy = spec.strategy
+    what = f"reading the sharded variable {spec.name!r} whole"
+    if spec.read_id and not serving:
+        whole_reads.take_part(strategy, spec.read_id, spec.name, what, _WHOLE_READ_FIX)
     gather = _whole_reads.get(strategy)
     first = gather is None
     if first:
@@ -309,9 +316,8 @@ def _gather_across_workers(components, spec: ShardSpec):
         return local[index].value()
 
     slices = strategy.experimental_distribute_values_from_function(local_slice)
-    with deadline.collective_outside_step(
-            strategy, f"reading the sharded variable {spec.name!r} whole", _WHOLE_READ_FIX,
-            kind="whole-read", first=first):
+    with deadline.collective_outside_step(strategy, what, _WHOLE_READ_FIX, kind="whole-read",
+                                          first=first):
         flat = strategy.experimental_local_results(gather(slices))[0]
     return spec.whole_from_flat(flat)
 
@@ -321,7 +327,9 @@ _WHOLE_READ_FIX = (
     "reading one whole (model.save, save_weights, get_weights, a checkpoint, a callback that "
     "reads weights) gathers its slices from every worker: make that call on every worker, "
     "not under `if is_chief` / `if rank == 0` (tfdp's BackupAndRestore and ModelCheckpoint "
-    "under tfdp.callbacks already save on every worker and write on the chief).")
+    "under tfdp.callbacks already save on every worker and write on the chief), or make it "
+    "on the chief alone only where the other workers have finished their script: they serve "
+    "the chief's reads from their exit.")
 
 
 def create(extended, next_creator, min_elements, kwargs: dict):
@@ -392,7 +400,12 @@ def create(extended, next_creator, min_elements, kwargs: dict):
                 components.append(next_creator(**args))
         return components
 
-    return _tf_private.create_sharded_variable(strategy, make_components, spec, **kwargs)
+    variable = _tf_private.create_sharded_variable(strategy, make_components, spec, **kwargs)
+    if strategy.cluster.is_multi_worker:
+        components = variable.components
+        spec.read_id = whole_reads.register(
+            strategy, lambda: _gather_across_workers(components, spec, serving=True))
+    return variable
 
 
 # --- Updates one slice at a time ----------------------------------------------------------------
@@ -410,14 +423,14 @@ class one_update_at_a_time(object):  # noqa: N801 (a context manager)
         graph = tf.compat.v1.get_default_graph()
         if getattr(_updates, "graph", None) is not graph:
             _updates.graph, _updates.last = graph, None
-        self._graph, self._first = graph, len(graph.get_operations())
+        self._graph, self._first = graph, _tf_private.operation_count(graph)
         self._deps = tf.control_dependencies([] if _updates.last is None else [_updates.last])
         self._deps.__enter__()
 
     def __exit__(self, *exc):
         self._deps.__exit__(*exc)
         if exc[0] is None and not tf.executing_eagerly():
-            created = self._graph.get_operations()[self._first:]
+            created = _tf_private.operations_since(self._graph, self._first)
             if created:
                 _updates.last = tf.group(*created)
 
