@@ -133,7 +133,7 @@ def test_guard_a_killed_worker_fails_the_chiefs_save_within_seconds_naming_it(tm
     text = "".join(chief.lines)
     assert "WholeReadError at" in line, text[-4000:]
     failed_at = float(line.split(" at ")[1].split(":")[0])
-    assert "worker 1's process is gone" in line, line
+    assert "the process of worker 1 (" in line and "is gone" in line, line
     assert "reading the sharded variable" in line and "on worker 0 of 2" in line, line
     print(f"the chief's save failed {failed_at - killed_at:.1f} s after the kill")
     assert failed_at - killed_at < 10, (failed_at - killed_at, text[-4000:])
@@ -146,12 +146,23 @@ def test_read_numbers_survive_a_reset_and_the_registry_does_not():
     # tfdp.reset() is never announced again (a worker would read the old announcement).
     import tfdp
 
+    class Cluster:
+        rank = 1
+
     class Strategy:
-        _tfdp_key_base = 7_000_000
+        cluster = Cluster()
+
+        def __init__(self, key):
+            self._tfdp_key_base = key
 
     before = whole_reads._take_number()
-    whole_reads.register(Strategy(), lambda: None)
-    assert whole_reads.registered() == 1
+    first, second = Strategy(7_000_000), Strategy(8_000_000)
+    ids = [whole_reads.register(first, lambda: None), whole_reads.register(second, lambda: None),
+           whole_reads.register(first, lambda: None)]
+    # Ids count per strategy and are never reused, though a later strategy's registration
+    # lets the earlier one's variables go: two variables never share an id.
+    assert ids == ["7000000:0", "8000000:0", "7000000:1"]
+    assert whole_reads.registered() == 3
     tfdp.reset()
     assert whole_reads.registered() == 0
     assert whole_reads._take_number() == before + 1

@@ -326,8 +326,8 @@ _WHOLE_READ_FIX = (
     "Under shard_parameters=True (ZeRO-3) each worker holds slices of the parameters, so "
     "reading one whole (model.save, save_weights, get_weights, a checkpoint, a callback that "
     "reads weights) gathers its slices from every worker: make that call on every worker, "
-    "not under `if is_chief` / `if rank == 0` (tfdp's BackupAndRestore and ModelCheckpoint "
-    "under tfdp.callbacks already save on every worker and write on the chief), or make it "
+    "not under `if is_chief` / `if rank == 0` (tfdp's BackupAndRestore, and Keras's "
+    "ModelCheckpoint under tfdp, already save on every worker and write on the chief), or make it "
     "on the chief alone only where the other workers have finished their script: they serve "
     "the chief's reads from their exit.")
 

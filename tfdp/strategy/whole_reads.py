@@ -22,16 +22,18 @@ Failure. A wait for the other side (the chief's for an acknowledgement, a worker
 announcement) checks every second that the other process is still there (its TensorFlow
 server's port accepts connections): one that is gone ends the wait within seconds with an
 error naming it; one that lives but neither makes the call nor waits where tfdp serves ends it
-at the strategy's deadline (``timeout_seconds``, ``FIRST_STEP_FACTOR`` times as long for the
-first read), naming it and the fix. No bound without ``timeout_seconds``, as for every
-collective.
+at the strategy's deadline (``timeout_seconds``, one deadline for all of them), naming every
+such worker and the fix. No bound without ``timeout_seconds``, as for every collective. A read
+the chief gives up is marked abandoned in its announcement: a worker still to take part skips
+it (serving) or fails with the chief's reason (its own call), so the numbers stay in step.
 
 Which variable. Each sharded variable of a multi-worker strategy is registered when it is
-created (``register``) under ``<strategy key>:<number>``, its creation order: the same on every
-worker, since every worker builds the same variables in the same order. A worker keeps its
-registered variables until ``tfdp.reset()`` or until a later multi-worker strategy registers
-its own, so a model the script has let go of (returned from ``main()``) still serves the
-chief's save at exit.
+created (``register``) under ``<strategy key>:<number>``, its creation order within its
+strategy: the same on every worker, since every worker builds the same variables in the same
+order, and never reused within a process. A worker other than the chief keeps the variables of
+the last multi-worker strategy that registered one until ``tfdp.reset()`` (the chief keeps
+none: it never serves), so a model the script has let go of (returned from ``main()``) still
+serves the chief's save at exit; an earlier strategy's are let go.
 
 Read numbers are never reused in a process (``tfdp.reset()`` keeps them): the coordination
 service keeps its keys for the life of the job.
@@ -58,9 +60,11 @@ _LOOK_SECONDS = 1.0
 
 _lock = threading.Lock()
 _next = [0]          # this worker's next read number (never reset: see the docstring)
-_registry = {}       # read id -> zero-argument function running the gather (no protocol)
-_strategy_key = [None]  # the strategy whose variables are registered
+_counts = {}         # strategy key -> its variables registered so far (ids never reused)
+_registry = {}       # read id -> zero-argument gather (no protocol); other workers only
+_strategy_key = [None]  # the strategy whose variables this worker holds for serving
 _ended = [False]     # the chief has announced the end
+_ABANDONED = "abandoned"
 
 
 class WholeReadError(RuntimeError):
@@ -73,11 +77,16 @@ def register(strategy, gather) -> str:
     ``gather()`` (the collective, without this protocol); returns its read id."""
     key = strategy._tfdp_key_base  # noqa: SLF001 (tfdp's own strategy: one id per strategy)
     with _lock:
-        if _strategy_key[0] != key:
-            _registry.clear()  # a later strategy is the job's: its variables are the ones served
-            _strategy_key[0] = key
-        read_id = f"{key}:{len(_registry)}"
-        _registry[read_id] = gather
+        number = _counts.get(key, 0)
+        _counts[key] = number + 1
+        read_id = f"{key}:{number}"
+        if strategy.cluster.rank != 0:  # the chief leads and never serves: it keeps nothing
+            if _strategy_key[0] != key:
+                # A later strategy is the job's: its variables are the ones served; an earlier
+                # one's are let go (its reads are answered "no longer holds").
+                _registry.clear()
+                _strategy_key[0] = key
+            _registry[read_id] = gather
     from tfdp.strategy import lifecycle
 
     lifecycle.before_leaving(_at_exit)
@@ -85,13 +94,14 @@ def register(strategy, gather) -> str:
 
 
 def registered() -> int:
-    """How many variables this worker can serve."""
-    return len(_registry)
+    """How many sharded variables of multi-worker strategies this process has registered."""
+    return sum(_counts.values())
 
 
 def clear() -> None:
     """Forgets the registered variables (``tfdp.reset()``); the read numbers stay."""
     with _lock:
+        _counts.clear()
         _registry.clear()
         _strategy_key[0] = None
         _ended[0] = False
@@ -143,10 +153,22 @@ def _wait_for(key: str, cluster, other: int, seconds):
             return "gone", None
 
 
-def _bound(strategy, number: int):
+def _bound(strategy):
     from tfdp.strategy import deadline
 
-    return deadline.deadline_seconds(getattr(strategy, "timeout_seconds", None), number == 0)
+    return deadline.deadline_seconds(getattr(strategy, "timeout_seconds", None), False)
+
+
+def _abandon(number: int, reason: str) -> None:
+    """The chief's read ``number`` failed: its announcement becomes ``abandoned`` so that a
+    worker still to take part skips it instead of gathering alone (numbers stay in step)."""
+    from tfdp import _tf_private
+
+    _tf_private.delete_from_coordination_service(_key(number))
+    try:
+        _tf_private.publish_to_coordination_service(_key(number), f"{_ABANDONED} {reason}")
+    except Exception:  # noqa: BLE001 (the service is gone: nobody is left to tell)
+        pass
 
 
 def take_part(strategy, read_id: str, name: str, what: str, fix: str) -> None:
@@ -164,7 +186,7 @@ def take_part(strategy, read_id: str, name: str, what: str, fix: str) -> None:
     if not cluster.is_multi_worker or not _tf_private.coordination_service_configured():
         return
     number = _take_number()
-    seconds = _bound(strategy, number)
+    seconds = _bound(strategy)
     head = f"tfdp: {what} on worker {cluster.rank} of {cluster.num_workers}"
     if cluster.rank == 0:
         if _ended[0]:
@@ -172,25 +194,11 @@ def take_part(strategy, read_id: str, name: str, what: str, fix: str) -> None:
                                  "exit began), so nobody can take part. Read it before the end "
                                  "of the script.")
         _tf_private.publish_to_coordination_service(_key(number), f"read {read_id} {name}")
-        for rank in range(1, cluster.num_workers):
-            state, value = _wait_for(f"{_key(number)}/ack/{rank}", cluster, rank, seconds)
-            if state == "gone":
-                raise WholeReadError(
-                    f"{head} failed: worker {rank}'s process is gone (nothing listens at "
-                    f"{cluster.workers[rank]} any more), and it holds slices of every sharded "
-                    "variable, so no worker can read one whole any more. Its own log says why "
-                    "it ended (tfdp-run names it); the job's last backup "
-                    "(tfdp.callbacks.BackupAndRestore) holds whole tensors.")
-            if state == "late":
-                raise WholeReadError(
-                    f"{head} did not start within {seconds:g} s (DataParallelStrategy's "
-                    f"timeout_seconds): worker {rank} is alive but took no part. Worker(s) "
-                    f"{rank} never arrived at it: every other worker must make this call too, "
-                    "in the same order, or have finished its script (a worker at its exit "
-                    f"serves the chief's reads; one busy elsewhere, in another fit or "
-                    f"evaluate, cannot). {fix}")
-            if value != _OK:
-                raise WholeReadError(f"{head} failed: worker {rank} {value}")
+        try:
+            _wait_for_every_acknowledgement(cluster, number, seconds, head, fix)
+        except WholeReadError as e:
+            _abandon(number, str(e).splitlines()[0][:300])
+            raise
         for rank in range(1, cluster.num_workers):  # everyone has read the announcement
             _tf_private.delete_from_coordination_service(f"{_key(number)}/ack/{rank}")
         _tf_private.delete_from_coordination_service(_key(number))
@@ -199,6 +207,9 @@ def take_part(strategy, read_id: str, name: str, what: str, fix: str) -> None:
     if state == "gone":
         raise WholeReadError(f"{head} failed: the chief's process (worker 0) is gone, and it "
                              "holds slices of every sharded variable. Its log says why it ended.")
+    if state == "set" and value.startswith(_ABANDONED):
+        reason = value[len(_ABANDONED):].strip()
+        raise WholeReadError(f"{head}: the chief abandoned this read ({reason}).")
     if state == "late" or value == _END:
         raise WholeReadError(
             f"{head}: the chief (worker 0) did not make this read within {seconds:g} s"
@@ -217,6 +228,39 @@ def take_part(strategy, read_id: str, name: str, what: str, fix: str) -> None:
             "chief reads them and the others finish their script (they serve its reads from "
             "their exit).")
     _tf_private.publish_to_coordination_service(f"{_key(number)}/ack/{cluster.rank}", _OK)
+
+
+def _wait_for_every_acknowledgement(cluster, number, seconds, head, fix) -> None:
+    """Returns once every other worker has acknowledged read ``number``; one deadline for
+    all of them (``seconds``; None: none). Raises WholeReadError naming every worker gone,
+    late, or answering otherwise."""
+    give_up = None if seconds is None else time.monotonic() + seconds
+    gone, late = [], []
+    for rank in range(1, cluster.num_workers):
+        left = None if give_up is None else max(_LOOK_SECONDS, give_up - time.monotonic())
+        state, value = _wait_for(f"{_key(number)}/ack/{rank}", cluster, rank, left)
+        if state == "gone":
+            gone.append(rank)
+        elif state == "late":
+            late.append(rank)
+        elif value != _OK:
+            raise WholeReadError(f"{head} failed: worker {rank} {value}")
+    if gone:
+        who = ", ".join(f"worker {r} ({cluster.workers[r]})" for r in gone)
+        raise WholeReadError(
+            f"{head} failed: the process of {who} is gone (nothing listens at its address any "
+            "more), and every worker holds slices of every sharded variable, so none can be "
+            "read whole any more. Its own log says why it ended (tfdp-run names it); the job's "
+            "last backup (tfdp.callbacks.BackupAndRestore) holds whole tensors.")
+    if late:
+        ranks = ", ".join(map(str, late))
+        raise WholeReadError(
+            f"{head} did not start within {seconds:g} s (DataParallelStrategy's "
+            f"timeout_seconds): worker(s) {ranks} took no part. Worker(s) {ranks} never "
+            "arrived at it: every other worker must make this call too, in the same order, or "
+            "have finished its script (at its exit a worker serves the chief's reads, unless "
+            "TFDP_ORDERLY_EXIT=0; a worker busy elsewhere, in another fit or evaluate, or on a "
+            f"host that no longer answers, cannot). {fix}")
 
 
 def _parse(announcement: str):
@@ -250,6 +294,8 @@ def serve_until_the_chief_ends(strategy_cluster, timeout_seconds) -> int:
         _take_number()
         if value == _END:
             return served
+        if value.startswith(_ABANDONED):
+            continue
         read_id, name = _parse(value)
         gather = _registry.get(read_id)
         ack = f"{_key(number)}/ack/{cluster.rank}"
@@ -267,7 +313,7 @@ def end_for_the_others(cluster) -> None:
     """On the chief, at its exit: tells the workers serving its reads that none will come."""
     from tfdp import _tf_private
 
-    if cluster.rank != 0 or not _registry or not _tf_private.coordination_service_configured():
+    if cluster.rank != 0 or not _counts or not _tf_private.coordination_service_configured():
         return
     with _lock:
         if _ended[0]:
