@@ -156,12 +156,14 @@ def _write(out, rows):
     params = FLAGS.depth * (FLAGS.width ** 2 + FLAGS.width) + FLAGS.width * 10 + 10
     with open(out + ".md", "w") as f:
         f.write(f"# ZeRO-3 step time ({time.strftime('%Y-%m-%d')})\n\n"
-                f"`python tools/bench_zero3.py --rounds={FLAGS.rounds}`: an MLP of {FLAGS.depth} "
+                f"`python tools/bench_zero3.py --rounds={FLAGS.rounds} "
+                f"--configs={','.join(FLAGS.configs)} --layouts={','.join(FLAGS.layouts)}`: "
+                f"an MLP of {FLAGS.depth} "
                 f"Dense layers of {FLAGS.width} ({params / 1e6:.1f}M parameters), Adam, global "
                 f"batch {FLAGS.batch}, median of {FLAGS.steps} steps after {FLAGS.warmup}, each "
                 "run a fresh process (4x1) or tfdp-run job (2x2) on this 2-core host; ratios "
                 "to unsharded tfdp within each round.\n\n"
-                "| layout | configuration | ms/step (median of rounds) | / base | base: "
+                "| layout | configuration | ms/step (median of rounds) | compared with | "
                 "median ratio | range |\n|---|---|---:|---|---:|---|\n")
         for layout in FLAGS.layouts:
             for config in FLAGS.configs:

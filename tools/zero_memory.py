@@ -624,8 +624,8 @@ def _write_peak(out, results):
     params = results[0]["params"]
     base = "unsharded" if "unsharded" in configs else configs[0]
     lines = [
-        "# Peak resident memory: unsharded, MirroredStrategy, ZeRO-2 (tools/zero_memory.py "
-        "--sections=peak)", "",
+        "# Peak memory: " + ", ".join(PEAK_LABELS[c] for c in configs)
+        + " (tools/zero_memory.py --sections=peak)", "",
         f"MLP {results[0]['model']} on 1024 inputs ({params:,} parameters, "
         f"{4 * params / 1e6:.1f} MB of float32 weights), Adam, 64 examples per replica, "
         "fit for a few steps; each configuration in a fresh process (all replicas of one "

@@ -50,8 +50,10 @@ def one_device():
 
 if __name__ == "__main__":
     out = os.environ["TFDP_TEST_OUT"]
-    start = initial_weights()
+    # The strategy first: a multi-worker strategy configures TensorFlow's collectives, which
+    # must happen before anything starts TensorFlow's runtime.
     strategy = tfdp.DataParallelStrategy(shard_parameters=True, shard_min_elements=64)
+    start = initial_weights()
     rank = strategy.cluster.rank
     x, y = data()
     with strategy.scope():
