@@ -16,6 +16,9 @@
 * ``randomness``: each replica draws what one device draws for its rows of the global batch.
 * ``lifecycle``: the worker's side of the launcher protocol (ready files, SIGTERM, leaving
   together at exit).
+* ``sharded_parameters``, ``sharded_units``, ``whole_reads``: ZeRO-3 (the partition rule and
+  what a read is; units gathered per layer; whole-tensor reads on several workers, led by the
+  chief).
 * ``keras_integration``: the one entry that installs (and uninstalls) tfdp's Keras patches.
 * ``chief_writes``, ``consensus``: what those patches do for stock Keras saving, callbacks and
   decisions on several workers.
