@@ -47,7 +47,7 @@ import time
 from tfdp.cluster import ClusterConfig
 from tfdp.protocol import ORDERLY_EXIT_ENV, READY_FILE_ENV
 
-__all__ = ["register", "release", "before_leaving", "leave_together_at_exit", "announce_joining", "announce_joined",
+__all__ = ["register", "release", "before_leaving", "worker_address", "leave_together_at_exit", "announce_joining", "announce_joined",
            "take_back_sigterm", "job", "ORDERLY_EXIT_ENV", "CHIEF_EXIT_DRAIN_SECONDS"]
 
 log = logging.getLogger("tfdp")
@@ -134,15 +134,16 @@ def leave_together_at_exit(uncaught_exception: bool, exit_code, environ=None) ->
     return not uncaught_exception and exit_code in (None, 0)
 
 
+def worker_address(cluster: ClusterConfig, rank: int) -> tuple:
+    """(host, port) of worker ``rank``'s TensorFlow server (its TF_CONFIG address)."""
+    host, _, port = cluster.workers[rank].rpartition(":")
+    return host.strip("[]"), int(port)
+
+
 def _peer_addresses(cluster: ClusterConfig) -> list:
     """(host, port) of every other worker of the job."""
-    peers = []
-    for rank, address in enumerate(cluster.workers):
-        if rank == cluster.rank:
-            continue
-        host, _, port = address.rpartition(":")
-        peers.append((host.strip("[]"), int(port)))
-    return peers
+    return [worker_address(cluster, rank) for rank in range(len(cluster.workers))
+            if rank != cluster.rank]
 
 
 def _wait_until_gone(addresses, timeout_seconds: float) -> list:

@@ -69,7 +69,8 @@ import keras
 import tensorflow as tf
 
 from tfdp import _tf_private
-from tfdp.strategy import collectives, deadline, gradient_hooks, replica_ops, whole_reads
+from tfdp.strategy import (collectives, deadline, gradient_hooks, replica_ops, sparse_gradients,
+                           whole_reads, wire)
 
 __all__ = ["ShardSpec", "shard_layout", "owner_of", "DEFAULT_SHARD_MIN_ELEMENTS",
            "is_sharded", "clip_gradients", "sharded_bytes_per_replica", "slice_gradient",
@@ -252,8 +253,6 @@ def _slice_of_sparse_gradient(slices, spec: ShardSpec):
     (sparse_gradients.elements_in_range). Every replica holds the reduced rows for a moment,
     as unsharded tfdp does; what stays (the gradient the optimizer applies) is the slice's.
     """
-    from tfdp.strategy import sparse_gradients, wire
-
     strategy = spec.strategy
     rows = sparse_gradients.reduce_indexed_slices([slices], strategy,
                                                   wire.collective_options(strategy))[0]

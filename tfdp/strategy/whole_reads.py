@@ -46,6 +46,8 @@ import socket
 import threading
 import time
 
+from tfdp.strategy import deadline, lifecycle
+
 __all__ = ["register", "take_part", "serve_until_the_chief_ends", "end_for_the_others",
            "clear", "registered", "WholeReadError"]
 
@@ -87,8 +89,6 @@ def register(strategy, gather) -> str:
                 _registry.clear()
                 _strategy_key[0] = key
             _registry[read_id] = gather
-    from tfdp.strategy import lifecycle
-
     lifecycle.before_leaving(_at_exit)
     return read_id
 
@@ -118,16 +118,12 @@ def _take_number() -> int:
         return number
 
 
-def _address(cluster, rank: int):
-    host, _, port = cluster.workers[rank].rpartition(":")
-    return host.strip("[]"), int(port)
-
-
 def _gone(cluster, rank: int) -> bool:
     """Whether worker ``rank``'s process is gone: nothing accepts connections at its address
     any more (a refused connection). A slow or unreachable host is not taken as gone."""
     try:
-        socket.create_connection(_address(cluster, rank), timeout=_LOOK_SECONDS).close()
+        socket.create_connection(lifecycle.worker_address(cluster, rank),
+                                 timeout=_LOOK_SECONDS).close()
     except ConnectionRefusedError:
         return True
     except OSError:
@@ -154,8 +150,6 @@ def _wait_for(key: str, cluster, other: int, seconds):
 
 
 def _bound(strategy):
-    from tfdp.strategy import deadline
-
     return deadline.deadline_seconds(getattr(strategy, "timeout_seconds", None), False)
 
 
@@ -268,14 +262,13 @@ def _parse(announcement: str):
     return read_id, name
 
 
-def serve_until_the_chief_ends(strategy_cluster, timeout_seconds) -> int:
+def serve_until_the_chief_ends(cluster, timeout_seconds) -> int:
     """On a worker other than the chief: takes part in each read the chief announces, until
     the chief announces the end (or its process is gone, or none comes within
     ``timeout_seconds``); returns how many it served. Nothing on the chief or without
     registered variables."""
     from tfdp import _tf_private
 
-    cluster = strategy_cluster
     if cluster.rank == 0 or not _registry or not _tf_private.coordination_service_configured():
         return 0
     served = 0
