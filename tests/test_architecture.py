@@ -35,7 +35,7 @@ MAX_FUNCTION_LINES = 80
 # Bottom to top. A module may import its own package's modules and any lower layer's;
 # ``launcher`` is pure Python beside the stack and imports only the two bottom layers. The
 # top-level shims (``tfdp/__init__.py``, ``run.py``, ``schedules.py``) may import anything.
-LAYERS = ["protocol", "said_once", "process_state", "cluster", "_tf_private", "strategy",
+LAYERS = ["process_state", "protocol", "said_once", "cluster", "_tf_private", "strategy",
           "optimizers", "data", "resilience", "callbacks", "horovod",
           "keras_distribution"]
 LAUNCHER_MAY_IMPORT = {"protocol", "cluster", "launcher"}

@@ -8,6 +8,7 @@ now. ``tfdp.reset()`` forgets them all, so a notebook that resets hears them aga
 from __future__ import annotations
 
 import threading
+from tfdp import process_state
 
 __all__ = ["first_time", "forget", "said"]
 
@@ -42,3 +43,6 @@ def said() -> int:
 def forget() -> None:
     with _lock:
         _said.clear()
+
+
+process_state.register("said once", __name__, said, forget)

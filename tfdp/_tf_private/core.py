@@ -15,6 +15,7 @@ The area modules of ``tfdp._tf_private`` import this one; it imports none of the
 from __future__ import annotations
 
 import threading
+from tfdp import process_state
 
 
 class PrivateAPIError(AttributeError):
@@ -132,3 +133,9 @@ def restore_patches() -> int:
             else:
                 setattr(owner, name, original)
         return len(entries)
+
+
+process_state.register(
+    "patches", __name__,
+    lambda: tuple(sorted(f"{getattr(o, '__name__', o)}.{n}" for o, n in patched())),
+    restore_patches)

@@ -5,6 +5,7 @@ agreed step) and ``DatasetEpoch`` leaves the dataset's position to it.
 """
 
 from __future__ import annotations
+from tfdp import process_state
 
 _backup = None
 
@@ -17,3 +18,11 @@ def backup():
 def set_backup(callback) -> None:
     global _backup
     _backup = callback
+
+
+def _forget() -> None:
+    global _backup
+    _backup = None
+
+
+process_state.register("running backup", __name__, lambda: _backup is not None, _forget)

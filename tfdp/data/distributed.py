@@ -24,6 +24,7 @@ from tfdp.data.plan import make_plan, service_plan
 from tfdp.data.policy import batches_per_pipeline, per_replica_batch_size, steps_per_epoch
 from tfdp.data.position import EpochState
 from tfdp.data.sources import normalise_service, normalise_source
+from tfdp import process_state
 
 _latest = None  # weakref to the most recent distribute() result
 
@@ -255,3 +256,12 @@ def _position_setter(plan, state: EpochState, steps):
         state.set_position(epoch, step)
 
     return set_position
+
+
+def _forget_latest() -> None:
+    global _latest
+    _latest = None
+
+
+process_state.register("latest distributed input", __name__, lambda: _latest is not None,
+                       _forget_latest)

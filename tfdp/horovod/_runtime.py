@@ -37,6 +37,7 @@ import threading
 from tfdp.cluster import ClusterConfig
 from tfdp.cluster.gpus import local_gpus
 from tfdp.cluster.placement import Placement, placement  # noqa: F401 (the rule's home)
+from tfdp import process_state
 
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
            "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported",
@@ -214,3 +215,14 @@ def engine():
             # (tfdp._tf_private.reuse_running_collective_server): nothing is re-applied.
             state.strategy = tfdp.DataParallelStrategy(devices=[device], cluster=state.cluster)
         return state.strategy
+
+
+def _forget_layout() -> None:
+    with state.lock:
+        # The engine and the joined runtime are TensorFlow's for the life of the process
+        # (``shutdown``'s rule); the layout is forgotten, as hvd.shutdown() does.
+        state.placement = None
+
+
+process_state.register("horovod layout", __name__, lambda: state.placement is not None,
+                       _forget_layout)

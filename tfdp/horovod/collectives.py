@@ -41,6 +41,7 @@ from tfdp.horovod import _runtime
 from tfdp.strategy import collectives as _tfdp_collectives
 from tfdp.strategy import deadline
 from tfdp.strategy import replica_ops as _tfdp_replica_ops
+from tfdp import process_state
 
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression", "allreduce",
            "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
@@ -524,3 +525,7 @@ def local_rank_op(name=None):
 
 def process_set_included_op(process_set_id=0, name=None):
     return tf.constant(1 if process_set_id == 0 else 0, tf.int32)
+
+
+process_state.register("horovod traced collectives", __name__, lambda: len(_cache),
+                       _cache.clear)

@@ -43,6 +43,7 @@ import numpy as np
 
 from tfdp.horovod import _runtime, collectives
 from tfdp.protocol import CONTROL_DIR_ENV, ELASTIC_DIR_ENV
+from tfdp import process_state
 
 __all__ = ["run", "State", "ObjectState", "TensorFlowState", "TensorFlowKerasState",
            "KerasState", "CommitStateCallback", "UpdateBatchStateCallback",
@@ -390,3 +391,12 @@ class UpdateEpochStateCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.state.epoch = self.initial_epoch + epoch + 1
+
+
+def _forget() -> None:
+    global _private_dir
+    _private_dir = None
+    _counter[0] = 0
+
+
+process_state.register("horovod elastic", __name__, lambda: (_private_dir, _counter[0]), _forget)

@@ -30,6 +30,7 @@ from tfdp.cluster import ClusterConfig
 from tfdp.keras_distribution import plan as plan_lib
 from tfdp.keras_distribution.plan import KerasDistributionError
 from tfdp.strategy import devices as devices_lib
+from tfdp import process_state
 
 __all__ = ["install", "clear", "describe", "strategy_for", "list_devices", "initialize",
            "KerasDistributionError"]
@@ -281,3 +282,6 @@ def clear() -> None:
             _state.strategies.clear()
             _state.installed = False
             _state.found = None
+
+
+process_state.register("keras.distribution", __name__, describe, clear)

@@ -47,6 +47,7 @@ import os
 import shutil
 import tempfile
 import threading
+from tfdp import process_state
 
 __all__ = ["activate", "deactivate", "install", "per_worker_path", "should_redirect", "handling_enabled",
            "private_root", "CHIEF_WRITES_ENV"]
@@ -418,3 +419,12 @@ def install():
         tp.patch_keras_callback("BackupAndRestore", name, _while_writing(_backup_paths))
     tp.patch_keras_callback("BackupAndRestore", "on_train_end",
                             lambda f: _then_drop(_while_writing(_backup_paths)(f)))
+
+
+def _forget() -> None:
+    deactivate()
+    _exempt.clear()
+
+
+process_state.register("chief-writes redirect", __name__,
+                       lambda: (_worker is not None, tuple(sorted(_exempt))), _forget)

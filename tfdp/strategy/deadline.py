@@ -42,6 +42,7 @@ import contextlib
 import functools
 import threading
 import time
+from tfdp import process_state
 
 __all__ = ["FIRST_STEP_FACTOR", "deadline_seconds", "overdue_message", "Watchdog", "watching",
            "variable_broadcast", "broadcast_overdue_message", "collective_outside_step",
@@ -375,3 +376,13 @@ def collective_outside_step(strategy, what: str, fix: str, kind: str | None = No
         raise type(e)(e.node_def, e.op, message(f"{type(e).__name__}: {e.message}")) from e
     finally:
         _watchdog.disarm(token)
+
+
+def _stop_watching() -> None:
+    _watchdog.close()
+    with _outside_lock:
+        _outside_counts.clear()
+
+
+process_state.register("step-deadline watchdog", __name__,
+                       lambda: (_watchdog.running(), len(_outside_counts)), _stop_watching)

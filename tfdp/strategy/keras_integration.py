@@ -50,6 +50,7 @@ import inspect
 from tfdp import _tf_private
 from tfdp.strategy import (chief_writes, consensus, gradient_hooks, is_data_parallel,
                            randomness, sharded_parameters, sharded_units, xla)
+from tfdp import process_state
 
 __all__ = ["install", "uninstall", "installed", "install_fit_input", "fit_input", "at_fit_exit",
            "require", "add_feature", "installed_features", "FEATURES"]
@@ -210,3 +211,7 @@ def fit_input(model):
     dataset it trains on and how its epochs are laid out), or None outside ``fit`` (or before
     ``install_fit_input``)."""
     return vars(model).get(_FIT_INPUT) if model is not None else None
+
+
+process_state.register("features", __name__, lambda: tuple(sorted(installed_features())),
+                       _by_feature.clear)

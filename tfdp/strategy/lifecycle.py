@@ -46,6 +46,7 @@ import time
 
 from tfdp.cluster import ClusterConfig
 from tfdp.protocol import ORDERLY_EXIT_ENV, READY_FILE_ENV
+from tfdp import process_state
 
 __all__ = ["register", "release", "before_leaving", "worker_address", "leave_together_at_exit", "announce_joining", "announce_joined",
            "take_back_sigterm", "job", "ORDERLY_EXIT_ENV", "CHIEF_EXIT_DRAIN_SECONDS"]
@@ -291,3 +292,6 @@ def release() -> None:
     _orderly_exit.release()
     _before_leaving.clear()
     _job = None
+
+
+process_state.register("job", __name__, lambda: (job(), sys.exit.__module__), release)

@@ -23,6 +23,7 @@ import threading
 import weakref
 
 import tensorflow as tf
+from tfdp import process_state
 
 __all__ = ["add_gradient_rider", "remove_gradient_rider", "riding_with_gradients", "board",
            "LogsRider", "mark_reduced", "is_reduced", "strategy_riders"]
@@ -154,3 +155,6 @@ def is_reduced(parts) -> bool:
         return bool(parts) and all(
             isinstance(p, tf.Tensor) and hasattr(p, "graph")  # an eager tensor has none
             and id(p) in _reduced.get(p.graph, ()) for p in parts)
+
+
+process_state.register("riders", __name__, strategy_riders, _riders.clear)

@@ -16,6 +16,7 @@ Imports no TensorFlow until a step is traced.
 from __future__ import annotations
 
 import threading
+from tfdp import process_state
 
 __all__ = ["listen", "stop_listening", "listening", "note_wait", "install_collective_timing",
            "mark_batch_in_hand", "collectives_executed"]
@@ -144,3 +145,11 @@ def is_listening(listener) -> bool:
 def listening() -> bool:
     """Whether any listener listens (steps traced now are timed)."""
     return bool(_listeners)
+
+
+def _forget_listeners() -> None:
+    with _listeners_lock:
+        _listeners.clear()
+
+
+process_state.register("timing listeners", __name__, lambda: len(_listeners), _forget_listeners)

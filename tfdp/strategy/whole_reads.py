@@ -47,6 +47,7 @@ import threading
 import time
 
 from tfdp.strategy import deadline, lifecycle
+from tfdp import process_state
 
 __all__ = ["register", "take_part", "serve_until_the_chief_ends", "end_for_the_others",
            "clear", "registered", "WholeReadError"]
@@ -321,3 +322,6 @@ def _at_exit(cluster, timeout_seconds) -> None:
         end_for_the_others(cluster)
     else:
         serve_until_the_chief_ends(cluster, timeout_seconds)
+
+
+process_state.register("ZeRO-3 whole reads", __name__, registered, clear)
