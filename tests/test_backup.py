@@ -103,6 +103,7 @@ def assert_close(a, b, tol=1e-5):
         np.testing.assert_allclose(p, q, rtol=tol, atol=tol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["adam", "sharded_adam"])
 def test_resume_mid_epoch_is_step_exact(tmp_path, kind):
     want, ran = uninterrupted(kind=kind)
@@ -124,6 +125,7 @@ def test_resume_on_another_replica_count(tmp_path):
     assert_close(got, want)
 
 
+@pytest.mark.slow
 def test_zero3_backup_from_four_replicas_resumes_on_two_step_exact(tmp_path):
     want, _ = uninterrupted(kind="adam")
     fit(tmp_path, replicas=4, kind="zero3_adam", crash_after=10)
@@ -167,6 +169,7 @@ def test_backups_wait_for_the_update_boundary_with_accumulation(tmp_path):
     assert_close(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("validation", ["after", "before"])
 def test_resume_positions_the_dataset_fit_trains_on_not_the_validation_set(tmp_path, validation):
     # The usual script: a training and a validation pipeline, no dataset= for the callback.
@@ -198,6 +201,7 @@ def test_guard_positioning_the_validation_set_instead_is_not_exact(tmp_path):
         keras_integration.fit_input = original
 
 
+@pytest.mark.slow
 def test_guard_a_resume_without_positioning_redoes_steps_and_says_so(tmp_path):
     want, _ = uninterrupted(tfdp_input=False, shuffle=False)
     fit(tmp_path, tfdp_input=False, crash_after=10)
@@ -265,6 +269,7 @@ def test_an_old_layout_backup_is_not_resumed_silently(tmp_path):
     assert any("does not resume" in str(w.message) for w in caught)
 
 
+@pytest.mark.slow
 def test_resume_from_a_tf_io_gfile_filesystem_is_step_exact():
     # TensorFlow's in-memory ram:// filesystem (tf.io.gfile, as gs:// and s3:// are reached).
     backup_dir = f"ram://tfdp-test-{os.getpid()}/backup"

@@ -61,6 +61,7 @@ def test_custom_loop_on_four_replicas_equals_one_device_with_global_norm_clippin
     assert diff > 1e-2
 
 
+@pytest.mark.slow
 def test_custom_loop_resumed_from_a_checkpoint_equals_uninterrupted(tmp_path):
     full, full_history, _ = _run(tfdp.DataParallelStrategy(cpu_devices(4)), epochs=3,
                                  shuffle=True, checkpoint_dir=str(tmp_path / "a"))

@@ -165,6 +165,7 @@ def test_set_epoch_makes_the_order_a_function_of_seed_and_epoch(strategy):
 
 # --- position ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shuffle", [None, 70], ids=["in-order", "shuffled"])
 @pytest.mark.parametrize("drop", [False, True], ids=["keep-last", "drop-last"])
 def test_set_position_yields_the_tail_of_the_epoch(strategy4, shuffle, drop):

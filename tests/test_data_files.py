@@ -68,6 +68,7 @@ PIPELINES = ["tfrecord_list", "tfrecord_parallel_reads", "list_files", "slices_i
              "text_lines", "fixed_length"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PIPELINES)
 @pytest.mark.parametrize("policy", ["auto", "file", "data"])
 def test_native_pipeline_exactly_once_on_four_replicas(strategy4, data_dir, name, policy):

@@ -39,6 +39,7 @@ def service():
         proc.stdout.close()
 
 
+@pytest.mark.slow
 def test_every_element_once_per_epoch_through_the_service(strategy4, service):
     dist = tdata.distribute(strategy4, tf.data.Dataset.range(70).map(lambda i: (i, -i)), 16,
                             shuffle_buffer=20, service=service)

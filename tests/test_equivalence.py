@@ -55,6 +55,7 @@ def test_replicas_train_like_one_device(replicas, opt_name, clip, model_name):
             np.testing.assert_array_equal(c, components[0])
 
 
+@pytest.mark.slow
 def test_clipping_acts_on_the_reduced_gradient():
     """Local clipping (stock Keras) would differ from the reference; tfdp must not."""
     x, y = classification_data()

@@ -368,6 +368,7 @@ def test_trial_finds_steps_to_target_under_the_strategy(strategy, digits):
     assert record["examples"] == steps * 64
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_gives_the_same_trial(strategy, digits):
     import large_batch_train
 

@@ -217,6 +217,7 @@ def test_model_save_load_round_trips_optimizer_state(cls, tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [LARS, LAMB])
 def test_distributed_training_equals_single_device(cls):
     x, y = classification_data()
@@ -229,6 +230,7 @@ def test_distributed_training_equals_single_device(cls):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [LARS, LAMB])
 def test_mixed_precision_loss_scaling(cls):
     x, y = classification_data()
@@ -255,6 +257,7 @@ def test_invalid_arguments():
         LAMB(trust_ratio_clip=0)
 
 
+@pytest.mark.slow
 def test_fresh_process_load_model_finds_tfdp_classes(tmp_path):
     """A new process that imports keras and tfdp can load a model saved with LAMB/LARS."""
     import subprocess

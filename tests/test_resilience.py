@@ -117,6 +117,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_kill_at_any_point_of_a_backup_leaves_a_loadable_one(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(_CHILD)

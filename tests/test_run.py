@@ -511,6 +511,7 @@ def test_free_ports_come_from_below_the_ephemeral_range(monkeypatch):
     assert all(p >= remote._LOWEST_PORT + 10 for p in remote.free_ports(4, host="127.0.0.1"))
 
 
+@pytest.mark.slow
 def test_a_test_job_past_its_timeout_reports_where_each_process_waited(tmp_path):
     # The suite's own diagnosis of a hang (tests/launching.py): a job that never ends is
     # killed at its timeout, and the error carries its processes' Python stacks (a child's

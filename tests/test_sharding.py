@@ -100,6 +100,7 @@ def _fit_steps(strategy, x, y, weights, opt_state_from=None, epochs=1, sharded=T
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("before,after", [(4, 2), (2, 1), (1, 4)])
 def test_checkpoint_restores_on_another_replica_count(tmp_path, before, after):
     x, y = classification_data()
@@ -148,6 +149,7 @@ def test_learning_rate_schedule_and_sparse_gradients():
     assert_weights_close(got.get_weights(), ref.get_weights())
 
 
+@pytest.mark.slow
 def test_loss_scale_optimizer_mixed_precision():
     x, y = classification_data()
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -184,6 +186,7 @@ def test_bad_usage_is_a_clear_error():
             opt.build(model.trainable_variables)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("before,after", [(4, 2), (1, 4)])
 def test_tf_train_checkpoint_restores_on_another_replica_count(tmp_path, before, after):
     x, y = classification_data()

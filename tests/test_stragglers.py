@@ -4,6 +4,7 @@ worker (tf.function chains stateful ops across replicas; tfdp/_tf_private.run_in
 The multi-worker behaviour (who is named, eviction) is in tests/test_elastic.py."""
 
 import keras
+import pytest
 
 import tfdp
 from helpers import assert_weights_close, classification_data, initial_weights, mlp, train
@@ -11,6 +12,7 @@ from helpers import assert_weights_close, classification_data, initial_weights, 
 FIELDS = ("compute", "step", "input", "host", "wait")
 
 
+@pytest.mark.slow
 def test_the_monitor_times_four_replicas_without_changing_the_weights(strategy4):
     x, y = classification_data(n=256)
     w0 = initial_weights(mlp)

@@ -336,6 +336,7 @@ def _run_fit(strategy, x, y, weights, epochs=2):
     return model.get_weights(), history
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bucket_bytes", [0, 64, 1 << 30])
 def test_bucket_sizes_do_not_change_results(bucket_bytes):
     x, y = classification_data()
@@ -346,6 +347,7 @@ def test_bucket_sizes_do_not_change_results(bucket_bytes):
     assert_weights_close(got, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compression,tol", [("fp16", 2e-3), ("bf16", 2e-2)])
 def test_compression_stays_within_dtype_tolerance(compression, tol):
     x, y = classification_data()
@@ -465,6 +467,7 @@ def test_a_strategy_wide_rider_goes_with_its_strategy():
 
 # --- Keras features ----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_evaluate_and_predict_match_single_device():
     x, y = classification_data()
     w0 = initial_weights(mlp)
@@ -488,6 +491,7 @@ def _bn_model(synchronized):
     return make
 
 
+@pytest.mark.slow
 def test_synchronized_batchnorm_uses_global_batch_statistics():
     x, y = classification_data()
     w0 = initial_weights(_bn_model(False))
@@ -515,6 +519,7 @@ def test_gradient_accumulation_matches_single_device():
     np.testing.assert_allclose(hist["loss"], ref_hist["loss"], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_dropout_trains_and_replicas_stay_identical():
     def make():
         return keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation="relu"),
@@ -562,6 +567,7 @@ class _Interrupt(keras.callbacks.Callback):
             raise RuntimeError("simulated preemption")
 
 
+@pytest.mark.slow
 def test_backup_and_restore_resumes_exactly(tmp_path):
     x, y = classification_data()
     w0 = initial_weights(mlp)
@@ -586,6 +592,7 @@ def test_many_strategies_in_one_process_do_not_collide():
         train(s, mlp, lambda: keras.optimizers.SGD(0.1), x, y, 32, epochs=1)
 
 
+@pytest.mark.slow
 def test_shuffled_resume_replays_the_uninterrupted_order(tmp_path):
     """tfdp BackupAndRestore + DatasetEpoch: a resumed job sees epoch e's order exactly."""
     x, y = classification_data()

@@ -663,6 +663,7 @@ print("restored", restored, "targets", len(targets))
 """
 
 
+@pytest.mark.slow
 def test_restore_patches_leaves_tensorflow_and_keras_as_they_were():
     words = _python(RESTORE_EVERY_PATCH).split()
     restored, targets = int(words[words.index("restored") + 1]), int(words[-1])

@@ -109,6 +109,7 @@ def _jit_model(strategy, jit_compile):
     return model
 
 
+@pytest.mark.slow
 def test_jit_compile_true_on_cpu_replicas_fits_evaluates_and_predicts():
     x, y = classification_data(n=32)
     model = _jit_model(tfdp.DataParallelStrategy(cpu_devices(2)), True)
@@ -165,6 +166,7 @@ def _one_device(opt_name, jit_compile):
     return model.get_weights(), history
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("opt_name", sorted(xla_cases.OPTIMIZERS))
 def test_four_replicas_with_xla_train_like_one_device(opt_name):
     x, y = xla_cases.data()
@@ -187,6 +189,7 @@ def test_four_replicas_with_xla_train_like_one_device(opt_name):
             np.testing.assert_array_equal(c, components[0])
 
 
+@pytest.mark.slow
 def test_evaluate_and_predict_with_xla_equal_one_device():
     x, y = classification_data(n=128)
     weights = initial_weights(mlp)
@@ -246,6 +249,7 @@ def test_compiled_function_takes_values_and_captures_no_variable():
     assert "ENTRY" in hlo  # XLA compiled it
 
 
+@pytest.mark.slow
 def test_state_updates_under_xla_equal_without():
     # BatchNormalization statistics and metrics are state the compiled part returns and the
     # replica assigns: 4 replicas with XLA end with the same moving statistics as without.
@@ -327,6 +331,7 @@ def _custom_loop(strategy, jit_compile, steps=4):
     return model.get_weights(), grad_fn
 
 
+@pytest.mark.slow
 def test_compile_gradients_in_a_custom_loop_equals_one_device():
     # Keras's losses divide by the replica count under a strategy, so the reduced sum of
     # the replicas' gradients is the one-device gradient.

@@ -133,6 +133,7 @@ def test_models_users_bring_train_like_one_device(model_name):
         assert stats and not any(sharded_parameters.is_sharded(v) for v in stats)
 
 
+@pytest.mark.slow
 def test_dropout_and_a_custom_loop_with_sharded_parameters_equal_one_device():
     """The idioms users have: Dropout between sharded layers (each replica draws what one
     device draws for its rows), and a custom loop through strategy.run with a tape."""
@@ -279,6 +280,7 @@ def test_parameters_and_adam_state_take_one_nth_per_replica(replicas):
 
 # --- Whole tensors outside the step -------------------------------------------------------------
 
+@pytest.mark.slow
 def test_get_set_weights_save_and_load_see_whole_tensors(tmp_path):
     data = classification_data()
     w0 = initial_weights(dense_stack)
