@@ -586,10 +586,23 @@ def test_backup_and_restore_resumes_exactly(tmp_path):
 
 
 def test_many_strategies_in_one_process_do_not_collide():
+    """Strategies of 2, 4 and again 2 replicas, one after the other in one process: each
+    trains on its own replicas, and all three end with the same weights from the same start
+    (the global batch is the same), as a collision of their collectives or variables would
+    not."""
     x, y = classification_data(n=64)
+    w0 = initial_weights(mlp)
+    results = []
     for replicas in (2, 4, 2):
         s = tfdp.DataParallelStrategy(devices=cpu_devices(replicas))
-        train(s, mlp, lambda: keras.optimizers.SGD(0.1), x, y, 32, epochs=1)
+        assert s.num_replicas_in_sync == replicas
+        model, hist = train(s, mlp, lambda: keras.optimizers.SGD(0.1), x, y, 32, epochs=1,
+                            weights=w0)
+        assert np.isfinite(hist["loss"][0])
+        results.append(model.get_weights())
+    assert not np.allclose(results[0][0], w0[0])  # it trained
+    assert_weights_close(results[1], results[0])
+    assert_weights_close(results[2], results[0])
 
 
 @pytest.mark.slow
