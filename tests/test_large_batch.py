@@ -1,5 +1,6 @@
-"""The large-batch harness (tools/large_batch*.py): its pure rules, then real sweeps on digits
-under DataParallelStrategy (the conftest's 4 logical CPU replicas)."""
+"""The large-batch harness (tools/large_batch.py and its package tools/large_batch/): its pure
+rules, then real sweeps on digits under DataParallelStrategy (the conftest's 4 logical CPU
+replicas)."""
 
 import csv
 import gzip
@@ -12,9 +13,9 @@ import sys
 import numpy as np
 import pytest
 
-import large_batch_core as core  # tools/ is on pytest's pythonpath
-import large_batch_data
-import large_batch_sweep
+from large_batch import core  # tools/ is on pytest's pythonpath
+from large_batch import data as large_batch_data
+from large_batch import sweep as large_batch_sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(ROOT, "tools")
@@ -245,7 +246,7 @@ def _full_record(opt, batch, lr_index, seed, steps):
 
 
 def test_report_reads_regions_and_keeps_hand_written_text(tmp_path):
-    import large_batch_report
+    from large_batch import report as large_batch_report
 
     # sgd: perfect 32->64, diminishing 64->128, maximal 128->256; lars misses at 256.
     best = {"sgd": {32: 800, 64: 400, 128: 280, 256: 270}, "lars": {32: 800, 64: 400, 128: 200,
@@ -341,7 +342,7 @@ def _setup(data, **overrides):
 
 
 def _counting_trainer(strategy, data, setup, **kwargs):
-    import large_batch_train
+    from large_batch import train as large_batch_train
 
     trained = []
 
@@ -352,7 +353,7 @@ def _counting_trainer(strategy, data, setup, **kwargs):
 
 
 def test_trial_finds_steps_to_target_under_the_strategy(strategy, digits):
-    import large_batch_train
+    from large_batch import train as large_batch_train
 
     setup = _setup(digits)
     record = large_batch_train.run_trial(strategy, digits, setup, core.trial_key("adam", 64, 0.05, 0, 0))
@@ -370,7 +371,7 @@ def test_trial_finds_steps_to_target_under_the_strategy(strategy, digits):
 
 @pytest.mark.slow
 def test_gradient_accumulation_gives_the_same_trial(strategy, digits):
-    import large_batch_train
+    from large_batch import train as large_batch_train
 
     setup = _setup(digits, target=0.95)
     key = core.trial_key("lamb", 128, 0.05, 0, 1)
@@ -383,7 +384,7 @@ def test_gradient_accumulation_gives_the_same_trial(strategy, digits):
 
 
 def test_untrained_model_meeting_the_target_is_refused(strategy, digits):
-    import large_batch_train
+    from large_batch import train as large_batch_train
 
     with pytest.raises(core.HarnessError, match="untrained model already has validation accuracy"):
         large_batch_train.run_trial(strategy, digits, _setup(digits, target=0.01),

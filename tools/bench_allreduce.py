@@ -33,10 +33,8 @@ import time
 
 from absl import app, flags, logging as absl_logging
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import report  # noqa: E402
-from collective_math import bus_factor  # noqa: E402
+import harness
+from collective_math import bus_factor
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("replicas", 4, "Logical CPU replicas.")
@@ -124,7 +122,7 @@ def thread_cpu() -> dict:
                 name = f.read().strip()
         except OSError:
             continue
-        seconds = report.cpu_seconds(f"/proc/self/task/{tid}/stat")
+        seconds = harness.cpu_seconds(f"/proc/self/task/{tid}/stat")
         if seconds is None:
             continue
         # The main thread carries the process's name; it runs the function's executor inline.
@@ -199,10 +197,9 @@ def run_job(impl):
     from tfdp.launcher.processes import free_ports
 
     ports = [str(p) for p in free_ports(FLAGS.workers)]
-    flags_passed = [f"--min_kib={FLAGS.min_kib}", f"--max_mib={FLAGS.max_mib}",
-                    f"--repeats={FLAGS.repeats}", f"--pin={FLAGS.pin}"]
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *flags_passed,
-                               f"--child={impl},{rank}," + ",".join(ports)],
+    flags_passed = harness.forward(FLAGS, "min_kib", "max_mib", "repeats", "pin")
+    procs = [subprocess.Popen(harness.command(__file__, *flags_passed,
+                                              f"--child={impl},{rank}," + ",".join(ports)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(FLAGS.workers)]
     outputs = []
@@ -219,7 +216,7 @@ def run_job(impl):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return [json.loads(line) for line in outputs[0].splitlines() if line.startswith("{")]
+    return harness.results(outputs[0], prefix="")
 
 
 def multiworker_main():
@@ -270,11 +267,11 @@ def multiworker_main():
     if not FLAGS.out:
         return
     out = FLAGS.out + "_multiworker"
-    report.write_csv(out + ".csv", rows)
+    harness.write_csv(out + ".csv", rows)
     command = "python tools/bench_allreduce.py " + " ".join(sys.argv[1:])
-    report.write_text(out + ".md", "# Collective bandwidth between worker processes "
+    harness.write_text(out + ".md", "# Collective bandwidth between worker processes "
                       f"(tools/bench_allreduce.py)\n\nCommand: `{command}`\n\n" + text)
-    plt = report.pyplot()
+    plt = harness.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     styles = {("tfdp", "all_reduce"): "o-", ("mwms", "all_reduce"): "s--",
               ("tfdp", "reduce_scatter"): "^-", ("tfdp", "all_gather"): "v-",
@@ -289,7 +286,7 @@ def multiworker_main():
     ax.set_ylabel("bus bandwidth (GB/s)")
     ax.set_title(f"{n} worker processes, gRPC on loopback")
     ax.legend(fontsize=8)
-    report.save_figure(fig, out + ".png")
+    harness.save_figure(fig, out + ".png")
     print(f"wrote {out}.md/.csv/.png")
 
 
@@ -410,22 +407,19 @@ def main(argv):
     print("\n" + text)
     if not FLAGS.out:
         return
-    report.write_csv(FLAGS.out + ".csv", rows)
-    report.write_text(FLAGS.out + ".md", "# Collective bandwidth (tools/bench_allreduce.py)\n\n" + text)
-    plt = report.pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    harness.write_report(FLAGS.out, "# Collective bandwidth (tools/bench_allreduce.py)\n\n" + text,
+                         rows, lambda ax: plot_bandwidth(ax, rows, ceiling, n), figsize=(7, 4))
+    print(f"wrote {FLAGS.out}.md/.csv/.png")
+
+
+def plot_bandwidth(ax, rows, ceiling, n):
     for (impl, op), style in ((("tfdp", "all_reduce"), "o-"), (("tf-mirrored", "all_reduce"), "s--"),
                               (("tfdp", "reduce_scatter"), "^-"), (("tfdp", "all_gather"), "v-")):
         pts = [(r["bytes"], r["busbw_GBps"]) for r in rows if r["impl"] == impl and r["op"] == op]
         ax.plot(*zip(*pts), style, label=f"{op} ({impl})")
     ax.axhline(ceiling / 1e9, color="gray", ls=":", label="memcpy ceiling")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("message size (bytes)")
-    ax.set_ylabel("bus bandwidth (GB/s)")
-    ax.set_title(f"{n} logical CPU replicas, 2 cores")
-    ax.legend(fontsize=8)
-    report.save_figure(fig, FLAGS.out + ".png")
-    print(f"wrote {FLAGS.out}.md/.csv/.png")
+    harness.label_axes(ax, "message size (bytes)", "bus bandwidth (GB/s)",
+                       f"{n} logical CPU replicas, 2 cores", log2_x=True, legend={"fontsize": 8})
 
 
 if __name__ == "__main__":

@@ -20,19 +20,14 @@ the ratios to tfdp.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 
 from absl import app, flags, logging as absl_logging
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-import report  # noqa: E402
+import harness
+from harness import ROOT
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("configs", ["none", "mirrored", "tfdp_keras_iterators", "tfdp_tf_generators",
@@ -43,10 +38,9 @@ flags.DEFINE_list("configs", ["none", "mirrored", "tfdp_keras_iterators", "tfdp_
 flags.DEFINE_list("replicas", ["2", "4"], "Logical CPU replica counts (none: one device).")
 flags.DEFINE_list("steps", ["10"], "Training steps per epoch.")
 flags.DEFINE_integer("epochs", 8, "Measured epochs per process (after a warm-up fit).")
-flags.DEFINE_integer("rounds", 2, "Interleaved rounds (each configuration once per round).")
-flags.DEFINE_string("out", "docs/benchmarks/bench_epoch_overhead",
-                    "Output prefix for .md/.csv/.png ('' to skip).")
-flags.DEFINE_string("child", "", "Internal: 'config,replicas,steps' measured in this process.")
+harness.define_flags(rounds=2, out=("docs/benchmarks/bench_epoch_overhead",
+                                    "Output prefix for .md/.csv/.png ('' to skip)."),
+                     child="'config,replicas,steps' measured in this process.")
 
 GLOBAL_BATCH = 64
 
@@ -114,13 +108,12 @@ def child():
 
 
 def measure(config, replicas, steps):
-    cmd = [sys.executable, os.path.abspath(__file__), f"--child={config},{replicas},{steps}",
-           f"--epochs={FLAGS.epochs}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
+    proc = harness.run(harness.command(__file__, f"--child={config},{replicas},{steps}",
+                                       f"--epochs={FLAGS.epochs}"), cwd=ROOT, timeout=600)
+    found = harness.results(proc.stdout, prefix="")
+    if proc.returncode != 0 or not found:
         raise RuntimeError(f"{config} x{replicas}: {(proc.stdout + proc.stderr)[-2000:]}")
-    return json.loads(lines[-1])
+    return found[-1]
 
 
 def main(argv):
@@ -131,14 +124,9 @@ def main(argv):
             for c in FLAGS.configs if c != "none"]
     if "none" in FLAGS.configs:  # one device: once per epoch length
         grid = [("none", 1, int(s)) for s in FLAGS.steps] + grid
-    runs = {key: [] for key in grid}
-    for round_ in range(FLAGS.rounds):
-        for key in grid:
-            result = measure(*key)
-            runs[key].append(result)
-            print(f"round {round_ + 1}/{FLAGS.rounds} {key[0]} x{key[1]}, {key[2]} steps: "
-                  f"{result['ms_per_epoch']:.0f} ms/epoch, {result['cpu_ms_per_epoch']:.0f} ms CPU, "
-                  f"{result['iterators_per_epoch']:.0f} iterators", flush=True)
+    runs = harness.by_key(harness.interleaved(grid, FLAGS.rounds, measure, lambda key, result: (
+        f"{key[0]} x{key[1]}, {key[2]} steps: {result['ms_per_epoch']:.0f} ms/epoch, "
+        f"{result['cpu_ms_per_epoch']:.0f} ms CPU, {result['iterators_per_epoch']:.0f} iterators")))
     rows = []
     for (config, replicas, steps), results in runs.items():
         rows.append({"config": config, "replicas": replicas, "steps": steps,
@@ -162,20 +150,19 @@ def main(argv):
     text = "\n".join(lines)
     print(text)
     if FLAGS.out:
-        report.write_text(FLAGS.out + ".md", text)
-        report.write_csv(FLAGS.out + ".csv", rows)
-        plt = report.pyplot()
-        fig, ax = plt.subplots(figsize=(8, 3.8))
-        labels = [f"{r['config'].replace('_', ' ')}\nx{r['replicas']}" for r in rows]
-        ax.bar(range(len(rows)), [r["ms_per_epoch"] for r in rows],
-               color=[{"none": "#999999", "mirrored": "#d62728", "tfdp_keras_iterators": "#9ecae1",
-                       "tfdp_tf_generators": "#6baed6", "tfdp": "#1f77b4"}[r["config"]]
-                      for r in rows])
-        ax.set_xticks(range(len(rows)), labels, fontsize=7)
-        ax.set_ylabel("ms per epoch (with validation)")
-        ax.set_title("What an epoch costs beyond its steps")
-        report.save_figure(fig, FLAGS.out + ".png")
+        harness.write_report(FLAGS.out, text, rows, lambda ax: plot(ax, rows), figsize=(8, 3.8))
         print(f"wrote {FLAGS.out}.md, .csv, .png")
+
+
+def plot(ax, rows):
+    labels = [f"{r['config'].replace('_', ' ')}\nx{r['replicas']}" for r in rows]
+    ax.bar(range(len(rows)), [r["ms_per_epoch"] for r in rows],
+           color=[{"none": "#999999", "mirrored": "#d62728", "tfdp_keras_iterators": "#9ecae1",
+                   "tfdp_tf_generators": "#6baed6", "tfdp": "#1f77b4"}[r["config"]]
+                  for r in rows])
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    harness.label_axes(ax, None, "ms per epoch (with validation)",
+                       "What an epoch costs beyond its steps")
 
 
 if __name__ == "__main__":

@@ -20,15 +20,12 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 
 from absl import app, flags, logging as absl_logging
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+import harness
+from harness import ROOT
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["resnet50", "transformer"], "resnet50 and/or transformer.")
@@ -36,17 +33,17 @@ flags.DEFINE_list("configs", ["none", "mirrored", "tfdp"], "Strategies: none, mi
 flags.DEFINE_list("precisions", ["fp32", "bf16"], "fp32 (TF32 matmuls on GPUs) and/or bf16.")
 flags.DEFINE_string("jit_compile", "default",
                     "default (no argument: Keras's 'auto'), true or false.")
-flags.DEFINE_integer("batch", 0, "Per-replica batch (0: 128 for resnet50, 64 for transformer).")
-flags.DEFINE_integer("steps", 50, "Steps per measured epoch.")
-flags.DEFINE_integer("epochs", 3, "Measured epochs per process (after one warm-up epoch).")
-flags.DEFINE_integer("rounds", 1, "Interleaved rounds (each configuration once per round).")
+harness.define_flags(
+    batch=(0, "Per-replica batch (0: 128 for resnet50, 64 for transformer)."),
+    steps=(50, "Steps per measured epoch."),
+    epochs=(3, "Measured epochs per process (after one warm-up epoch)."),
+    rounds=1, out=("docs/benchmarks/bench_gpu", "Output prefix for .md/.csv ('' to skip)."),
+    child="'model,config,precision' measured in this process.")
 flags.DEFINE_integer("image_size", 224, "ResNet-50 input size.")
 flags.DEFINE_integer("seq_len", 512, "Transformer sequence length.")
 flags.DEFINE_integer("layers", 6, "Transformer encoder layers.")
 flags.DEFINE_integer("width", 768, "Transformer model width (heads of 64).")
 flags.DEFINE_boolean("tiny", False, "Tiny sizes for a CPU smoke run.")
-flags.DEFINE_string("out", "docs/benchmarks/bench_gpu", "Output prefix for .md/.csv ('' to skip).")
-flags.DEFINE_string("child", "", "Internal: 'model,config,precision' measured in this process.")
 
 TINY = {"image_size": 32, "seq_len": 16, "layers": 1, "width": 32, "batch": 2, "steps": 2,
         "epochs": 1}
@@ -112,17 +109,9 @@ def child():
     y = np.repeat(y1, batch, axis=0)
     data = tf.data.Dataset.from_tensors((x, y)).repeat().prefetch(tf.data.AUTOTUNE)
     times = []
-
-    class EpochTimer(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_epoch_end(self, epoch, logs=None):
-            times.append(time.perf_counter() - self.start)
-
     steps = setting("steps")
     model.fit(data, epochs=1 + setting("epochs"), steps_per_epoch=steps, verbose=0,
-              callbacks=[EpochTimer()])
+              callbacks=[harness.timer(keras, times, per="epoch")])
     ms = 1000 * statistics.median(times[1:]) / steps
     gpus = tf.config.list_physical_devices("GPU")
     device = (tf.config.experimental.get_device_details(gpus[0]).get("device_name", "GPU")
@@ -136,18 +125,15 @@ def child():
 
 
 def measure(model_name, config, precision):
-    cmd = [sys.executable, os.path.abspath(__file__), f"--child={model_name},{config},{precision}",
-           f"--jit_compile={FLAGS.jit_compile}", f"--batch={FLAGS.batch}",
-           f"--steps={FLAGS.steps}", f"--epochs={FLAGS.epochs}",
-           f"--image_size={FLAGS.image_size}", f"--seq_len={FLAGS.seq_len}",
-           f"--layers={FLAGS.layers}", f"--width={FLAGS.width}", f"--tiny={FLAGS.tiny}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+    proc = harness.run(harness.command(
+        __file__, f"--child={model_name},{config},{precision}",
+        *harness.forward(FLAGS, "jit_compile", "batch", "steps", "epochs", "image_size", "seq_len",
+                         "layers", "width", "tiny")), cwd=ROOT)
+    found = harness.results(proc.stdout, prefix="")
+    if proc.returncode != 0 or not found:
         return {"model": model_name, "config": config, "precision": precision,
-                "error": " | ".join(tail)}
-    return json.loads(lines[-1])
+                "error": harness.tail(proc.stdout + proc.stderr, 3, " | ")}
+    return found[-1]
 
 
 def table(results):
@@ -185,14 +171,9 @@ def main(argv):
         child()
         return
     keys = [(m, c, p) for m in FLAGS.models for p in FLAGS.precisions for c in FLAGS.configs]
-    runs = {k: [] for k in keys}
-    for round_index in range(FLAGS.rounds):
-        for key in keys:
-            result = measure(*key)
-            runs[key].append(result)
-            print(f"round {round_index + 1}/{FLAGS.rounds} {','.join(key)}: "
-                  + (f"{result['ms_per_step']:.1f} ms/step" if "error" not in result
-                     else f"failed: {result['error']}"), flush=True)
+    runs = harness.by_key(harness.interleaved(keys, FLAGS.rounds, measure, lambda key, result: (
+        f"{','.join(key)}: " + (f"{result['ms_per_step']:.1f} ms/step" if "error" not in result
+                               else f"failed: {result['error']}"))))
     results = [median_of(runs[k]) for k in keys]
     text = table(results)
     print(text)

@@ -34,15 +34,11 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import time
 
 from absl import app, flags, logging as absl_logging
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import report  # noqa: E402
+import harness
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("files", 64, "Number of TFRecord files.")
@@ -128,14 +124,10 @@ def fresh_rounds(before):
     for r in range(FLAGS.rounds):
         shift = r % len(variants)
         for variant, tree in variants[shift:] + variants[:shift]:
-            env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-            if tree:
-                env["PYTHONPATH"] = os.pathsep.join([tree, env.get("PYTHONPATH", "")])
-            argv = [sys.executable, os.path.abspath(__file__), f"--child={variant}",
-                    f"--dir={FLAGS.dir}", f"--files={FLAGS.files}", f"--replicas={FLAGS.replicas}",
-                    f"--global_batch={FLAGS.global_batch}"]
-            out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300,
-                                 cwd="/" if tree else None)
+            env = harness.child_env(*([tree] if tree else []))
+            argv = harness.command(__file__, f"--child={variant}",
+                                   *harness.forward(FLAGS, "dir", "files", "replicas", "global_batch"))
+            out = harness.run(argv, env=env, timeout=300, cwd="/" if tree else None)
             line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
             if out.returncode or not line:
                 raise RuntimeError(f"{variant} ({tree or 'this tree'}) failed:\n{out.stderr[-3000:]}")
@@ -168,7 +160,7 @@ def summarise_fresh(rows):
 
 
 def plot_fresh(rows, summary, prefix):
-    plt = report.pyplot()
+    plt = harness.pyplot()
     fig, ax = plt.subplots(figsize=(9, 4))
     variants = [s["variant"] for s in summary]
     ax.boxplot([[r["seconds"] for r in rows if r["variant"] == v] for v in variants],
@@ -180,7 +172,7 @@ def plot_fresh(rows, summary, prefix):
     for y, s in enumerate(summary, start=1):
         ax.text(s["median_seconds"], y + 0.3, f"{s['median_ratio_to_mirrored']:.2f}x",
                 fontsize=8, ha="center")
-    report.save_figure(fig, prefix + ".png")
+    harness.save_figure(fig, prefix + ".png")
 
 
 def main(argv):
@@ -198,8 +190,8 @@ def main(argv):
         rows = fresh_rounds(FLAGS.before)
         summary = summarise_fresh(rows)
         if FLAGS.fresh_out:
-            report.write_csv(FLAGS.fresh_out + ".csv", summary)
-            report.write_csv(FLAGS.fresh_out + "-rounds.csv", rows)
+            harness.write_csv(FLAGS.fresh_out + ".csv", summary)
+            harness.write_csv(FLAGS.fresh_out + "-rounds.csv", rows)
             plot_fresh(rows, summary, FLAGS.fresh_out)
             print(f"wrote {FLAGS.fresh_out}.csv/-rounds.csv/.png")
     if FLAGS.warm:
@@ -287,8 +279,8 @@ def warm_measurements(tf, paths, total):
 
     if not FLAGS.out:
         return
-    report.write_csv(FLAGS.out + ".csv", rows)
-    plt = report.pyplot()
+    harness.write_csv(FLAGS.out + ".csv", rows)
+    plt = harness.pyplot()
     fig, ax = plt.subplots(figsize=(10, 4.5))
     labels = [r["measurement"] for r in rows][::-1]
     values = [r["seconds"] for r in rows][::-1]
@@ -301,7 +293,7 @@ def warm_measurements(tf, paths, total):
                  f"records, {FLAGS.replicas} CPU replicas, warm page cache", fontsize=10)
     for y, v in enumerate(values):
         ax.text(v, y, f" {v:.2f} s", va="center", fontsize=8)
-    report.save_figure(fig, FLAGS.out + ".png")
+    harness.save_figure(fig, FLAGS.out + ".png")
     print(f"wrote {FLAGS.out}.csv/.png")
 
 

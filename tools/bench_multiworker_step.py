@@ -42,38 +42,34 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 from absl import app, flags
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-import report  # noqa: E402
+import harness
+from harness import HERE, ROOT
 from baselines import patched_mwms  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("rounds", 1, "Interleaved rounds to run now (appended to --results).")
+harness.define_flags(rounds=(1, "Interleaved rounds to run now (appended to --results)."),
+                     warmup=(20, "Steps before the measured ones."),
+                     steps=(100, "Measured steps per run."),
+                     out=("docs/benchmarks/bench_multiworker_step", "Output prefix."),
+                     child="implementation to run in this worker.")
 flags.DEFINE_list("models", ["tiny", "mlp"], "Models: tiny, mlp, mlp20m (20 Dense layers, "
                   "20.5M parameters: issue 43's job).")
 flags.DEFINE_list("layouts", ["1", "2"], "CPU replicas per worker (2 workers each).")
 flags.DEFINE_list("impls", ["tfdp", "mwms", "before"], "Implementations to compare.")
-flags.DEFINE_integer("warmup", 20, "Steps before the measured ones.")
-flags.DEFINE_integer("steps", 100, "Measured steps per run.")
 flags.DEFINE_boolean("count", True, "Also count the collectives per step (one short run each).")
 flags.DEFINE_boolean("report", False, "Only summarise --results into --out.")
 flags.DEFINE_string("results", "docs/benchmarks/bench_multiworker_step.jsonl", "Raw results.")
-flags.DEFINE_string("out", "docs/benchmarks/bench_multiworker_step", "Output prefix.")
 flags.DEFINE_string("before_commit", "971cce4", "The tfdp commit to compare with.")
 flags.DEFINE_string("note", "", "A sentence for the report: where and how its rows were measured "
                     "(the host, the commands), when it is not the default run.")
 flags.DEFINE_string("before_dir", "/tmp/tfdp-before", "Where its worktree is checked out.")
 # Child-process flags.
-flags.DEFINE_string("child", "", "Internal: implementation to run in this worker.")
 flags.DEFINE_string("model", "tiny", "Internal: model of --child.")
 flags.DEFINE_integer("replicas", 1, "Internal: CPU replicas per worker of --child.")
 flags.DEFINE_boolean("count_only", False, "Internal: count collectives instead of timing.")
@@ -144,16 +140,9 @@ def _load_counter():
     return modules["stragglers"].collectives_executed
 
 
-def pin_to_one_core():
-    """Worker i of TF_CONFIG on core i (mod the cores), before TensorFlow sizes its pools."""
-    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[index % len(cores)]})
-
-
 def child():
     if FLAGS.pin:
-        pin_to_one_core()
+        harness.pin_to_one_core()
     if FLAGS.variant == "old_order":  # TensorFlow's own pool size, as before issue 43
         os.environ["TF_NUM_INTEROP_THREADS"] = str(len(os.sched_getaffinity(0)))
     import numpy as np
@@ -227,48 +216,32 @@ def child():
     print("RESULT " + json.dumps(result), flush=True)  # tfdp-run shows the chief's
 
 
-def ensure_before_tree():
-    if not os.path.isdir(os.path.join(FLAGS.before_dir, "tfdp")):
-        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", FLAGS.before_dir,
-                        FLAGS.before_commit], check=True, capture_output=True)
-
-
 def launch(impl, model, replicas, count_only=False):
     tree = FLAGS.before_dir if impl.startswith("before") else ROOT
-    env = dict(os.environ, PYTHONPATH=tree + os.pathsep + HERE)
-    env.pop("TF_CONFIG", None)
+    env = dict(harness.child_env(), PYTHONPATH=tree + os.pathsep + HERE)
     base, _, variant = impl.partition("+")
     backup = tempfile.mkdtemp(prefix="bench-backup-") if FLAGS.backup and base != "mwms" else ""
-    cmd = [sys.executable, "-m", "tfdp.run", "--workers", "2", "--cpu-replicas", str(replicas),
-           "--timeout", "600", "--", sys.executable, os.path.abspath(__file__),
-           f"--child={'tfdp' if base == 'before' else base}", f"--variant={variant}",
-           f"--model={model}",
-           f"--replicas={replicas}", f"--warmup={FLAGS.warmup}", f"--steps={FLAGS.steps}",
-           f"--count_only={count_only}", f"--backup_dir={backup}", f"--pin={FLAGS.pin}", f"--bucket_bytes={FLAGS.bucket_bytes}"]
+    cmd = harness.command(__file__, f"--child={'tfdp' if base == 'before' else base}",
+                          f"--variant={variant}", f"--model={model}", f"--replicas={replicas}",
+                          *harness.forward(FLAGS, "warmup", "steps"), f"--count_only={count_only}",
+                          f"--backup_dir={backup}", *harness.forward(FLAGS, "pin", "bucket_bytes"),
+                          workers=2, cpu_replicas=replicas, launcher=["--timeout", "600"])
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        proc = harness.run(cmd, env=env, timeout=900)
     finally:
         if backup:
             shutil.rmtree(backup, ignore_errors=True)
-    for line in (proc.stdout + proc.stderr).splitlines():
-        if "RESULT " in line:
-            result = json.loads(line.split("RESULT ", 1)[1])
-            result["impl"] = impl
-            return result
+    found = harness.results(proc.stdout + proc.stderr)
+    if found:
+        return dict(found[0], impl=impl)
     raise RuntimeError(f"{impl}/{model}/{replicas}: no result (exit {proc.returncode}):\n"
                        + "\n".join((proc.stdout + proc.stderr).splitlines()[-20:]))
 
 
-def append(row):
-    os.makedirs(os.path.dirname(FLAGS.results) or ".", exist_ok=True)
-    with open(FLAGS.results, "a") as f:
-        f.write(json.dumps(row) + "\n")
-
-
 def run_rounds():
     if "before" in FLAGS.impls:
-        ensure_before_tree()
-    existing = load_rows()
+        harness.worktree(FLAGS.before_dir, FLAGS.before_commit)
+    existing = harness.read_jsonl(FLAGS.results)
     first = 1 + max((r["round"] for r in existing if "round" in r), default=0)
     started = time.time()
     for r in range(first, first + FLAGS.rounds):
@@ -277,7 +250,7 @@ def run_rounds():
                 shift = r % len(FLAGS.impls)  # rotate the order every round
                 for impl in FLAGS.impls[shift:] + FLAGS.impls[:shift]:
                     row = dict(launch(impl, model, replicas), round=r)
-                    append(row)
+                    harness.append_jsonl(FLAGS.results, row)
                     print(f"[{time.time() - started:5.0f}s] round {r} {model:4s} 2x{replicas} "
                           f"{impl:6s} {row['step_ms']:7.2f} ms/step", flush=True)
     if FLAGS.count:
@@ -287,16 +260,9 @@ def run_rounds():
                 for impl in FLAGS.impls:
                     if (impl, model, replicas) not in counted:
                         row = launch(impl, model, replicas, count_only=True)
-                        append(row)
+                        harness.append_jsonl(FLAGS.results, row)
                         print(f"collectives per step: {model} 2x{replicas} {impl}: "
                               f"{row['collectives_per_step']:g}", flush=True)
-
-
-def load_rows():
-    if not os.path.exists(FLAGS.results):
-        return []
-    with open(FLAGS.results) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def ratios(rows, model, replicas, against, key="samples_per_s"):
@@ -326,7 +292,7 @@ def ratio_cell(q):
 
 
 def summarise():
-    rows = load_rows()
+    rows = harness.read_jsonl(FLAGS.results)
     counts = {(r["impl"], r["model"], r["replicas"]): r["collectives_per_step"]
               for r in rows if "collectives_per_step" in r}
     lines = ["| model | layout | impl | ms/step (median of rounds) | collectives/step/replica |",
@@ -364,14 +330,14 @@ def summarise():
                          "--rounds=15` (then `--report`)."),
                       "", *table, "", *lines])
     print(text)
-    report.write_text(FLAGS.out + ".md", text)
+    harness.write_text(FLAGS.out + ".md", text)
     if csv_rows:
-        report.write_csv(FLAGS.out + ".csv", csv_rows)
+        harness.write_csv(FLAGS.out + ".csv", csv_rows)
     plot(rows)
 
 
 def plot(rows):
-    plt = report.pyplot()
+    plt = harness.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for ax, against in zip(axes, ("mwms", "before")):
         labels, data = [], []
@@ -386,7 +352,7 @@ def plot(rows):
             ax.set_xticks(range(1, len(labels) + 1), labels)
         ax.axhline(1.0, color="grey", linestyle=":")
         ax.set_title(f"tfdp / {against}: per-round throughput ratio")
-    report.save_figure(fig, FLAGS.out + ".png")
+    harness.save_figure(fig, FLAGS.out + ".png")
 
 
 def main(argv):

@@ -20,16 +20,12 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 
 from absl import app, flags
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-import report  # noqa: E402
+import harness
+from harness import HERE, ROOT
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("rows", ["100000", "1000000", "4000000"], "Rows of the large table.")
@@ -37,17 +33,16 @@ flags.DEFINE_list("impls", ["one", "mirrored", "tfdp", "sharded"], "What to meas
 flags.DEFINE_integer("replicas", 4, "Logical CPU replicas (all but one).")
 flags.DEFINE_integer("dim", 64, "Embedding width.")
 flags.DEFINE_integer("batch", 256, "Global batch.")
-flags.DEFINE_integer("rounds", 2, "Interleaved rounds.")
-flags.DEFINE_integer("warmup", 2, "Untimed steps (tracing).")
-flags.DEFINE_integer("steps", 6, "Timed steps per process (in windows of 2).")
+harness.define_flags(rounds=(2, "Interleaved rounds."), warmup=(2, "Untimed steps (tracing)."),
+                     steps=(6, "Timed steps per process (in windows of 2)."),
+                     out=("docs/benchmarks/bench_recommender", "Output prefix ('' to skip)."),
+                     child="the implementation to measure in this process.")
 flags.DEFINE_integer("child_timeout", 900, "Seconds before a child is stopped.")
 flags.DEFINE_string("results", "", "JSON-lines file the runs append to (default: --out.jsonl).")
 flags.DEFINE_boolean("report_only", False, "Only summarise --results into --out.")
-flags.DEFINE_string("out", "docs/benchmarks/bench_recommender", "Output prefix ('' to skip).")
 flags.DEFINE_string("before_dir", "/tmp/tfdp-before-41",
                     "A checkout of --before_commit for the 'sharded_before' implementation.")
 flags.DEFINE_string("before_commit", "e563938", "tfdp before issue 41's exchange changes.")
-flags.DEFINE_string("child", "", "Internal: the implementation to measure in this process.")
 flags.DEFINE_integer("child_rows", 0, "Internal: rows for --child.")
 
 LABELS = {"one": "one device", "mirrored": "MirroredStrategy", "tfdp": "tfdp",
@@ -120,31 +115,21 @@ def child():
                       "peak_growth_mb": (_status_kib("VmHWM") - before) / 1024}), flush=True)
 
 
-def _before_checkout() -> str:
-    """A worktree of --before_commit at --before_dir (made once)."""
-    if not os.path.isdir(os.path.join(FLAGS.before_dir, "tfdp")):
-        subprocess.run(["git", "worktree", "add", "--detach", FLAGS.before_dir,
-                        FLAGS.before_commit], cwd=ROOT, check=True, capture_output=True)
-    return FLAGS.before_dir
-
-
 def run_child(impl, rows):
     env = dict(os.environ)
     if impl == "sharded_before":  # that tree's tfdp first on the path
-        env["PYTHONPATH"] = os.pathsep.join([_before_checkout(), HERE, env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, os.path.abspath(__file__), f"--child={impl}", f"--child_rows={rows}",
-           f"--replicas={FLAGS.replicas}", f"--dim={FLAGS.dim}", f"--batch={FLAGS.batch}",
-           f"--warmup={FLAGS.warmup}", f"--steps={FLAGS.steps}"]
+        env = harness.child_env(harness.worktree(FLAGS.before_dir, FLAGS.before_commit), HERE)
+    cmd = harness.command(__file__, f"--child={impl}", f"--child_rows={rows}",
+                          *harness.forward(FLAGS, "replicas", "dim", "batch", "warmup", "steps"))
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=FLAGS.child_timeout,
-                              cwd=ROOT, env=env)
+        proc = harness.run(cmd, timeout=FLAGS.child_timeout, cwd=ROOT, env=env)
     except subprocess.TimeoutExpired:
         return {"impl": impl, "rows": rows, "error": f"timed out after {FLAGS.child_timeout} s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"impl": impl, "rows": rows, "error": f"exit {proc.returncode}: {' | '.join(tail)}"}
+    found = harness.results(proc.stdout, prefix="")
+    if found:
+        return found[-1]
+    tail = harness.tail(proc.stderr or proc.stdout, 3, " | ")
+    return {"impl": impl, "rows": rows, "error": f"exit {proc.returncode}: {tail}"}
 
 
 def summarise(results):
@@ -175,7 +160,7 @@ def summarise(results):
 
 
 def write_report(table, prefix):
-    report.write_csv(prefix + ".csv", table)
+    harness.write_csv(prefix + ".csv", table)
     lines = ["# Recommender step time and peak memory (tools/bench_recommender.py)", "",
              f"DLRM-style model (tools/dlrm.py), one large table x {FLAGS.dim}, Adam, global batch "
              f"{FLAGS.batch}, {FLAGS.replicas} logical CPU replicas on this 2-core host; fresh "
@@ -193,8 +178,8 @@ def write_report(table, prefix):
         lines.append(f"| {r['rows']:,} | {LABELS[r['impl']]} | {r['step_ms']:.0f} "
                      f"({r['step_min']:.0f}-{r['step_max']:.0f}) | {ratio} | "
                      f"{r['peak_growth_mb']:.0f} | {r['runs']} |")
-    report.write_text(prefix + ".md", "\n".join(lines) + "\n")
-    plt = report.pyplot()
+    harness.write_text(prefix + ".md", "\n".join(lines) + "\n")
+    plt = harness.pyplot()
     if plt is None:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -212,7 +197,7 @@ def write_report(table, prefix):
         ax.set_title(title)
         ax.grid(alpha=0.3)
     ax1.legend(fontsize=8)
-    report.save_figure(fig, prefix + ".png")
+    harness.save_figure(fig, prefix + ".png")
 
 
 def main(argv):
@@ -221,10 +206,7 @@ def main(argv):
         child()
         return
     results_path = FLAGS.results or (FLAGS.out + ".jsonl" if FLAGS.out else "")
-    results = []
-    if results_path and os.path.exists(results_path):
-        with open(results_path) as f:
-            results = [json.loads(line) for line in f if line.strip()]
+    results = harness.read_jsonl(results_path)
     if not FLAGS.report_only:
         first_round = max((r["round"] for r in results), default=-1) + 1
         configs = [(int(rows), impl) for rows in FLAGS.rows for impl in FLAGS.impls]
@@ -242,8 +224,7 @@ def main(argv):
                       + f" ({time.perf_counter() - start:.0f} s)", flush=True)
                 results.append(result)
                 if results_path:
-                    with open(results_path, "a") as f:
-                        f.write(json.dumps(result) + "\n")
+                    harness.append_jsonl(results_path, result)
     table = summarise(results)
     for r in table:
         print(r)

@@ -25,27 +25,23 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
 from absl import app, flags
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-import report  # noqa: E402
+import harness
+from harness import ROOT
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("configs", ["plain", "backup", "backup-every-10", "monitor"],
                   "Configurations to measure (plain, backup, backup-every-10, monitor).")
-flags.DEFINE_integer("rounds", 3, "Interleaved rounds of the three configurations.")
-flags.DEFINE_integer("steps", 150, "Measured steps per run (after 20 warm-up steps).")
 flags.DEFINE_integer("preemptions", 3, "SIGTERM-to-exit measurements.")
-flags.DEFINE_string("out", "docs/benchmarks/bench_resilience", "Output prefix ('' to skip writing).")
-flags.DEFINE_string("child", "", "Internal: configuration to run in this worker.")
 flags.DEFINE_string("backup_dir", "", "Internal: backup directory for --child.")
+harness.define_flags(rounds=(3, "Interleaved rounds of the three configurations."),
+                     steps=(150, "Measured steps per run (after 20 warm-up steps)."),
+                     out="docs/benchmarks/bench_resilience",
+                     child="configuration to run in this worker.")
 
 CONFIGS = ("plain", "backup", "backup-every-10", "monitor")
 GLOBAL_BATCH = 128
@@ -104,33 +100,31 @@ def child():
 
 
 def launch(config, backup_dir):
-    cmd = [sys.executable, "-m", "tfdp.run", "--workers", "2", "--cpu-replicas", "1", "--",
-           sys.executable, os.path.abspath(__file__), f"--child={config}",
-           f"--backup_dir={backup_dir}"]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    cmd = harness.command(__file__, f"--child={config}", f"--backup_dir={backup_dir}",
+                          workers=2, cpu_replicas=1)
+    return subprocess.Popen(cmd, env=harness.child_env(ROOT), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def result_of(lines):
-    for line in lines:
-        if "RESULT " in line:
-            return json.loads(line.split("RESULT ", 1)[1])
-    raise RuntimeError("no result:\n" + "".join(lines[-30:]))
+    found = harness.results("".join(lines))
+    if not found:
+        raise RuntimeError("no result:\n" + "".join(lines[-30:]))
+    return found[0]
+
+
+def step_ms(config):
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = launch(config, os.path.join(tmp, "backup"))
+        lines = list(proc.stdout)
+        proc.wait(timeout=600)
+    return result_of(lines)["step_ms"]
 
 
 def measure_steps():
-    rows = []
-    for r in range(FLAGS.rounds):
-        for config in FLAGS.configs:
-            with tempfile.TemporaryDirectory() as tmp:
-                proc = launch(config, os.path.join(tmp, "backup"))
-                lines = list(proc.stdout)
-                proc.wait(timeout=600)
-            step_ms = result_of(lines)["step_ms"]
-            print(f"round {r + 1}/{FLAGS.rounds} {config:16s} {step_ms:.2f} ms/step", flush=True)
-            rows.append({"round": r + 1, "config": config, "step_ms": round(step_ms, 3)})
-    return rows
+    runs = harness.interleaved(FLAGS.configs, FLAGS.rounds, step_ms,
+                               lambda config, ms: f"{config:16s} {ms:.2f} ms/step")
+    return [{"round": r + 1, "config": config, "step_ms": round(ms, 3)} for r, config, ms in runs]
 
 
 def measure_preemption():
@@ -189,18 +183,15 @@ def main(argv):
     text = "\n".join(lines)
     print(text)
     if FLAGS.out:
-        report.write_text(FLAGS.out + ".md", text)
-        report.write_csv(FLAGS.out + ".csv", steps)
-        plt = report.pyplot()
-        fig, ax = plt.subplots(figsize=(6, 3.2))
-        for c in configs:
-            vals = [r["step_ms"] for r in steps if r["config"] == c]
-            ax.plot(range(1, len(vals) + 1), vals, marker="o", label=c)
-        ax.set_xlabel("round")
-        ax.set_ylabel("ms / step (2 workers)")
-        ax.set_title("Cost of the preemption agreement and the straggler monitor")
-        ax.legend()
-        report.save_figure(fig, FLAGS.out + ".png")
+        harness.write_report(FLAGS.out, text, steps, lambda ax: plot(ax, steps, configs))
+
+
+def plot(ax, steps, configs):
+    for c in configs:
+        vals = [r["step_ms"] for r in steps if r["config"] == c]
+        ax.plot(range(1, len(vals) + 1), vals, marker="o", label=c)
+    harness.label_axes(ax, "round", "ms / step (2 workers)",
+                       "Cost of the preemption agreement and the straggler monitor", legend={})
 
 
 if __name__ == "__main__":

@@ -43,9 +43,8 @@ import threading  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+import harness  # noqa: E402
+from harness import ROOT  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -56,15 +55,15 @@ def define_flags():
     flags.DEFINE_list("models", ["gpt2", "convnet"], "Models: gpt2, convnet.")
     flags.DEFINE_list("modes", ["cold", "warm"], "cold: the restart finds an empty cache; warm: "
                       "the first attempt's entries.")
-    flags.DEFINE_integer("rounds", 2, "Rounds (each runs every model cold and warm, interleaved).")
-    flags.DEFINE_integer("steps", 20, "Training steps of the job (one epoch).")
+    harness.define_flags(
+        rounds=(2, "Rounds (each runs every model cold and warm, interleaved)."),
+        steps=(20, "Training steps of the job (one epoch)."), out="docs/benchmarks/bench_restart",
+        child="the model this worker trains.",
+        backup_dir=("", "Internal: BackupAndRestore's directory."))
     flags.DEFINE_integer("save_freq", 4, "BackupAndRestore(save_freq=...) in steps.")
     flags.DEFINE_integer("kill_at", 6, "Worker 1 is SIGKILLed after this step of the first attempt.")
     flags.DEFINE_float("target", 0.2, "Warm compile time / cold compile time to meet.")
-    flags.DEFINE_string("out", "docs/benchmarks/bench_restart", "Output prefix ('' to skip writing).")
-    flags.DEFINE_string("child", "", "Internal: the model this worker trains.")
     flags.DEFINE_string("child_out", "", "Internal: where the worker writes its records.")
-    flags.DEFINE_string("backup_dir", "", "Internal: BackupAndRestore's directory.")
     flags.DEFINE_boolean("cold_restart", False, "Internal: each attempt gets its own empty cache.")
 
 
@@ -338,13 +337,11 @@ def _wait_for(path, proc, deadline):
 def run_job(model, mode, tmp):
     out, cache, backup = (os.path.join(tmp, d) for d in ("out", "cache", "backup"))
     os.makedirs(out)
-    cmd = [sys.executable, "-m", "tfdp.run", "--workers", "2", "--cpu-replicas", "1",
-           "--max-restarts", "1", "--compile-cache", cache, "--",
-           sys.executable, os.path.abspath(__file__), f"--child={model}", f"--child_out={out}",
-           f"--backup_dir={backup}", f"--cold_restart={mode == 'cold'}"]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TF_CONFIG", None)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    cmd = harness.command(__file__, f"--child={model}", f"--child_out={out}",
+                          f"--backup_dir={backup}", f"--cold_restart={mode == 'cold'}",
+                          workers=2, cpu_replicas=1,
+                          launcher=["--max-restarts", "1", "--compile-cache", cache])
+    proc = subprocess.Popen(cmd, env=harness.child_env(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     lines = []
 
@@ -497,14 +494,15 @@ def write_report(rows, firsts):
     print(text)
     if not FLAGS.out:
         return
-    import report
-    report.write_text(FLAGS.out + ".md", text)
-    report.write_csv(FLAGS.out + ".csv", rows + firsts)
-    plt = report.pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.2))
-    bars = [(m, mode) for m in models for mode in MODES]
+    harness.write_report(FLAGS.out, text, rows + firsts,
+                         lambda ax: plot(ax, table, [(m, mode) for m in models for mode in MODES]),
+                         figsize=(8, 4.2))
+
+
+def plot(ax, table, bars):
+    """The restart's phases stacked per (model, mode)."""
     bottom = [0.0] * len(bars)
-    colors = plt.get_cmap("tab10").colors
+    colors = harness.pyplot().get_cmap("tab10").colors
     for i, key in enumerate(PHASES):
         values = [max(table[b][key], 0.0) for b in bars]
         ax.bar(range(len(bars)), values, bottom=bottom, label=PHASE_LABELS[key],
@@ -512,10 +510,9 @@ def write_report(rows, firsts):
         bottom = [a + b for a, b in zip(bottom, values)]
     ax.set_xticks(range(len(bars)))
     ax.set_xticklabels([f"{m}\n{mode}" for m, mode in bars])
-    ax.set_ylabel("seconds from SIGKILL (median)")
-    ax.set_title("Restart: SIGKILL -> next finished step, 2 workers, jit_compile=True (CPU)")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    report.save_figure(fig, FLAGS.out + ".png")
+    harness.label_axes(ax, None, "seconds from SIGKILL (median)",
+                       "Restart: SIGKILL -> next finished step, 2 workers, jit_compile=True (CPU)",
+                       legend={"fontsize": 7, "loc": "upper left", "bbox_to_anchor": (1.0, 1.0)})
 
 
 def main(argv):

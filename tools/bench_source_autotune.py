@@ -25,9 +25,9 @@ import time
 
 from absl import app, flags, logging as absl_logging
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import harness
+
+sys.path.insert(0, harness.ROOT)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("configs", ["tfdp", "tfdp_autotune", "mirrored"],
@@ -37,9 +37,8 @@ flags.DEFINE_integer("replicas", 2, "Logical CPU replicas where there is no GPU.
 flags.DEFINE_integer("global_batch", 64, "Global batch size.")
 flags.DEFINE_integer("work", 8, "Rounds of arithmetic per element in the map.")
 flags.DEFINE_integer("batches", 200, "Global batches timed per measurement.")
-flags.DEFINE_integer("warmup", 20, "Global batches read before timing.")
-flags.DEFINE_integer("rounds", 3, "Interleaved rounds (each configuration once per round).")
-flags.DEFINE_string("out", "", "Output prefix for .json/.md ('' to print only).")
+harness.define_flags(warmup=(20, "Global batches read before timing."), rounds=3,
+                     out=("", "Output prefix for .json/.md ('' to print only)."))
 
 
 def _source(tf, autotune: bool | None):
@@ -107,9 +106,7 @@ def main(argv):
               f"{r['longest_teardown_s']:.3f} s |" for r in rows]
     print("\n".join(lines))
     if FLAGS.out:
-        os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-        with open(FLAGS.out + ".md", "w") as f:
-            f.write("\n".join(lines) + "\n")
+        harness.write_text(FLAGS.out + ".md", "\n".join(lines))
         with open(FLAGS.out + ".json", "w") as f:
             json.dump({"header": header, "rows": rows}, f, indent=1)
 

@@ -13,18 +13,12 @@ tfdp.data against training throughput.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 from absl import app, flags, logging as absl_logging
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-import report  # noqa: E402
+import harness
+from harness import ROOT
 from baselines import patched_mwms  # noqa: E402
 from models import build_model  # noqa: E402,F401  (flag-free: shared with other tools)
 
@@ -106,16 +100,10 @@ def child():
 
 
 def run_child(args, multi_worker=False):
-    cmd = [sys.executable, os.path.abspath(__file__), f"--windows={FLAGS.windows}",
-           f"--steps={FLAGS.steps}"] + args
-    if multi_worker:
-        cmd = [sys.executable, "-m", "tfdp.run", "--workers", "2", "--timeout", "300", "--"] + cmd
-    env = dict(os.environ)
-    env.pop("TF_CONFIG", None)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
-               if "RESULT " in line]
+    cmd = harness.command(__file__, *harness.forward(FLAGS, "windows", "steps"), *args,
+                          workers=2 if multi_worker else 0, launcher=["--timeout", "300"])
+    proc = harness.run(cmd, env=harness.child_env(ROOT), timeout=600)
+    results = harness.results(proc.stdout)
     if proc.returncode != 0 or not results:
         errors = [l for l in (proc.stdout + proc.stderr).splitlines()
                   if "Error" in l and "oneDNN" not in l]
@@ -200,13 +188,13 @@ def main(argv):
     text = "\n".join(lines)
     print("\n" + text + "\n\n" + "\n".join(f"note: {n}" for n in notes))
     if FLAGS.out:
-        report.write_csv(FLAGS.out + ".csv", rows)
-        report.write_text(FLAGS.out + ".md", "# model.fit throughput (tools/bench_step.py)\n\n"
+        harness.write_csv(FLAGS.out + ".csv", rows)
+        harness.write_text(FLAGS.out + ".md", "# model.fit throughput (tools/bench_step.py)\n\n"
                     f"Median samples/s over {FLAGS.rounds} interleaved rounds x {FLAGS.windows} "
                     f"windows of {FLAGS.steps} steps; SGD+momentum; synthetic data; per-replica "
                     f"batch {PER_REPLICA_BATCH}. 2-core CPU host, logical CPU replicas.\n\n"
                           + text + "\n\n" + "\n".join(f"- {n}" for n in notes))
-        plt = report.pyplot()
+        plt = harness.pyplot()
         fig, axes = plt.subplots(1, len(FLAGS.models), figsize=(4.5 * len(FLAGS.models), 3.6))
         for ax, model in zip(np.atleast_1d(axes), FLAGS.models):
             for kind, style in (("mirrored", "s--"), ("tfdp", "o-")):
@@ -219,7 +207,7 @@ def main(argv):
             ax.set_xlabel("CPU replicas (2 physical cores)")
             ax.set_ylabel("samples/s")
             ax.legend()
-        report.save_figure(fig, FLAGS.out + ".png")
+        harness.save_figure(fig, FLAGS.out + ".png")
         print(f"wrote {FLAGS.out}.md/.csv/.png")
 
 

@@ -20,16 +20,13 @@ is about +-25%, TF_NOTES.md), and the report gives the median ratio and its rang
 
 from __future__ import annotations
 
-import csv
 import os
 import statistics
-import subprocess
-import sys
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
+import harness
 
 CONFIGS = ("unsharded", "zero2", "zero3", "zero3_keep")
 XLA_CONFIGS = ("unsharded_xla", "zero3_xla", "zero3_keep_xla")
@@ -42,14 +39,13 @@ def define_flags():
     """The tool's flags (defined when it runs, so that importing it defines none)."""
     flags.DEFINE_list("configs", list(CONFIGS), "Configurations.")
     flags.DEFINE_list("layouts", list(LAYOUTS), "Layouts: 4x1 (one process), 2x2 (two workers).")
-    flags.DEFINE_integer("rounds", 3, "Interleaved rounds.")
     flags.DEFINE_integer("depth", 8, "Dense layers.")
     flags.DEFINE_integer("width", 1024, "Units per layer (and inputs).")
     flags.DEFINE_integer("batch", 256, "Global batch.")
-    flags.DEFINE_integer("warmup", 3, "Untimed steps (tracing).")
-    flags.DEFINE_integer("steps", 12, "Timed steps.")
-    flags.DEFINE_string("out", "docs/benchmarks/zero3_speed", "Output prefix ('' to skip).")
-    flags.DEFINE_string("child", "", "Internal: the configuration to run here.")
+    harness.define_flags(
+        rounds=(3, "Interleaved rounds."), warmup=(3, "Untimed steps (tracing)."),
+        steps=(12, "Timed steps."), out=("docs/benchmarks/zero3_speed", "Output prefix ('' to skip)."),
+        child="the configuration to run here.")
     flags.DEFINE_integer("child_replicas", 4, "Internal: local replicas of the child.")
 
 
@@ -80,35 +76,22 @@ def _child():
         model.compile(optimizer=optimizer, jit_compile=jit,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     times = []
-
-    class Timer(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.t = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter() - self.t)
-
     model.fit(data, epochs=1, steps_per_epoch=FLAGS.warmup + FLAGS.steps, verbose=0,
-              callbacks=[Timer()])
+              callbacks=[harness.timer(keras, times)])
     if strategy.cluster.is_chief:
         print(f"STEP_MS {1000 * statistics.median(times[FLAGS.warmup:]):.2f}", flush=True)
 
 
 def _command(config, layout):
-    args = [os.path.abspath(__file__), f"--child={config}", f"--depth={FLAGS.depth}",
-            f"--width={FLAGS.width}", f"--batch={FLAGS.batch}", f"--warmup={FLAGS.warmup}",
-            f"--steps={FLAGS.steps}"]
+    args = [f"--child={config}",
+            *harness.forward(FLAGS, "depth", "width", "batch", "warmup", "steps")]
     if layout == "4x1":
-        return [sys.executable] + args + ["--child_replicas=4"]
-    run = os.path.join(os.path.dirname(sys.executable), "tfdp-run")
-    return [run, "--workers", "2", "--cpu-replicas", "2", "--", sys.executable] + args
+        return harness.command(__file__, *args, "--child_replicas=4")
+    return harness.command(__file__, *args, workers=2, cpu_replicas=2)
 
 
 def run_one(config, layout) -> float:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("TF_CONFIG", None)
-    proc = subprocess.run(_command(config, layout), capture_output=True, text=True, env=env,
-                          timeout=900)
+    proc = harness.run(_command(config, layout), env=harness.child_env(), timeout=900)
     for line in (proc.stdout + proc.stderr).splitlines():
         if "STEP_MS " in line:
             return float(line.split("STEP_MS ")[1])
@@ -121,14 +104,11 @@ def main(argv):
     if FLAGS.child:
         return _child()
     jobs = [(layout, config) for layout in FLAGS.layouts for config in FLAGS.configs]
-    rows = []
-    for r in range(FLAGS.rounds):
-        order = jobs[r % len(jobs):] + jobs[:r % len(jobs)]
-        for layout, config in order:
-            ms = run_one(config, layout)
-            rows.append(dict(round=r, layout=layout, config=config, step_ms=ms))
-            print(f"round {r + 1}/{FLAGS.rounds} {layout} {config:10s} {ms:8.1f} ms/step",
-                  flush=True)
+    runs = harness.interleaved(
+        jobs, FLAGS.rounds, lambda layout, config: run_one(config, layout),
+        lambda job, ms: f"{job[0]} {job[1]:10s} {ms:8.1f} ms/step", rotate=True)
+    rows = [dict(round=r, layout=layout, config=config, step_ms=ms)
+            for r, (layout, config), ms in runs]
     if FLAGS.out:
         _write(FLAGS.out, rows)
 
@@ -148,37 +128,31 @@ def ratios(rows, layout, config, base="unsharded") -> list:
 
 
 def _write(out, rows):
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out + ".csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["round", "layout", "config", "step_ms"])
-        writer.writeheader()
-        writer.writerows(rows)
     params = FLAGS.depth * (FLAGS.width ** 2 + FLAGS.width) + FLAGS.width * 10 + 10
-    with open(out + ".md", "w") as f:
-        f.write(f"# ZeRO-3 step time ({time.strftime('%Y-%m-%d')})\n\n"
-                f"`python tools/bench_zero3.py --rounds={FLAGS.rounds} "
-                f"--configs={','.join(FLAGS.configs)} --layouts={','.join(FLAGS.layouts)}`: "
-                f"an MLP of {FLAGS.depth} "
-                f"Dense layers of {FLAGS.width} ({params / 1e6:.1f}M parameters), Adam, global "
-                f"batch {FLAGS.batch}, median of {FLAGS.steps} steps after {FLAGS.warmup}, each "
-                "run a fresh process (4x1) or tfdp-run job (2x2) on this 2-core host; ratios "
-                "to unsharded tfdp within each round.\n\n"
-                "| layout | configuration | ms/step (median of rounds) | compared with | "
-                "median ratio | range |\n|---|---|---:|---|---:|---|\n")
-        for layout in FLAGS.layouts:
-            for config in FLAGS.configs:
-                ms = [r["step_ms"] for r in rows if r["layout"] == layout and r["config"] == config]
-                base = base_of(config, FLAGS.configs)
-                q = ratios(rows, layout, config, base) or [float("nan")]
-                f.write(f"| {layout} | {config} | {statistics.median(ms):.1f} | {base} | "
+    text = [f"# ZeRO-3 step time ({time.strftime('%Y-%m-%d')})\n\n"
+            f"`python tools/bench_zero3.py --rounds={FLAGS.rounds} "
+            f"--configs={','.join(FLAGS.configs)} --layouts={','.join(FLAGS.layouts)}`: "
+            f"an MLP of {FLAGS.depth} "
+            f"Dense layers of {FLAGS.width} ({params / 1e6:.1f}M parameters), Adam, global "
+            f"batch {FLAGS.batch}, median of {FLAGS.steps} steps after {FLAGS.warmup}, each "
+            "run a fresh process (4x1) or tfdp-run job (2x2) on this 2-core host; ratios "
+            "to unsharded tfdp within each round.\n\n"
+            "| layout | configuration | ms/step (median of rounds) | compared with | "
+            "median ratio | range |\n|---|---|---:|---|---:|---|\n"]
+    for layout in FLAGS.layouts:
+        for config in FLAGS.configs:
+            ms = [r["step_ms"] for r in rows if r["layout"] == layout and r["config"] == config]
+            base = base_of(config, FLAGS.configs)
+            q = ratios(rows, layout, config, base) or [float("nan")]
+            text.append(f"| {layout} | {config} | {statistics.median(ms):.1f} | {base} | "
                         f"{statistics.median(q):.2f} | {min(q):.2f}-{max(q):.2f} |\n")
-            if {"zero3_xla", "zero3_keep_xla"} <= set(FLAGS.configs):
-                q = ratios(rows, layout, "zero3_xla", "zero3_keep_xla")
-                f.write(f"\n{layout}: ZeRO-3 with units compiled each on its own against the "
+        if {"zero3_xla", "zero3_keep_xla"} <= set(FLAGS.configs):
+            q = ratios(rows, layout, "zero3_xla", "zero3_keep_xla")
+            text.append(f"\n{layout}: ZeRO-3 with units compiled each on its own against the "
                         f"whole-gathered compiled step: median {statistics.median(q):.2f}x "
                         f"(range {min(q):.2f}-{max(q):.2f}; issue 57's bound 1.25x).\n\n")
+    harness.write_report(out, "".join(text), rows)
     print(f"wrote {out}.md, {out}.csv")
-
 
 if __name__ == "__main__":
     define_flags()

@@ -35,15 +35,13 @@ import glob
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 
 from absl import app, flags
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+import harness
+from harness import HERE, ROOT
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "mlp20m", "A model of tools/models.py (mlp20m: 20 Dense layers, "
@@ -67,16 +65,9 @@ flags.DEFINE_boolean("worker", False, "Internal: run as a worker of the job.")
 
 # --- The worker ----------------------------------------------------------------------------
 
-def pin_to_one_core():
-    """Worker i of TF_CONFIG on core i (mod the cores), before TensorFlow sizes its pools."""
-    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[index % len(cores)]})
-
-
 def worker():
     if FLAGS.pin:
-        pin_to_one_core()
+        harness.pin_to_one_core()
     if FLAGS.interop:
         os.environ["TF_NUM_INTEROP_THREADS"] = str(FLAGS.interop)
     import numpy as np
@@ -173,16 +164,14 @@ def host_events(space):
 def run_job(logdir, launch_order):
     """Runs the 2-worker job writing its traces under ``logdir``; returns the chief's
     ``.xplane.pb`` and its variables' names and sizes."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]))
-    env.pop("TF_CONFIG", None)
-    cmd = [sys.executable, "-m", "tfdp.run", "--workers", "2", "--timeout", str(FLAGS.timeout),
-           "--", sys.executable, os.path.abspath(__file__), "--worker", f"--model={FLAGS.model}",
-           f"--batch={FLAGS.batch}", f"--warmup={FLAGS.warmup}", f"--steps={FLAGS.steps}",
-           f"--pin={FLAGS.pin}", f"--logdir={logdir}", f"--launch_order={launch_order}",
-           f"--bucket_bytes={FLAGS.bucket_bytes}", f"--interop={FLAGS.interop}"]
+    env = dict(harness.child_env(), PYTHONPATH=os.pathsep.join([ROOT, HERE]))
+    cmd = harness.command(__file__, "--worker",
+                          *harness.forward(FLAGS, "model", "batch", "warmup", "steps", "pin"),
+                          f"--logdir={logdir}", f"--launch_order={launch_order}",
+                          *harness.forward(FLAGS, "bucket_bytes", "interop"),
+                          workers=2, launcher=["--timeout", str(FLAGS.timeout)])
     print(f"profile_step: 2 workers, {FLAGS.model}, launch order {launch_order} ...", flush=True)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                          timeout=FLAGS.timeout + 60)
+    proc = harness.run(cmd, env=env, timeout=FLAGS.timeout + 60)
     for line in (proc.stdout + proc.stderr).splitlines():
         if line.lstrip("[]0-9 ").startswith("worker "):
             print("  " + line.strip(), flush=True)

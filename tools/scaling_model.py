@@ -17,14 +17,10 @@ hierarchical NVLink-then-network all-reduce only does better), fp32 gradients un
 
 from __future__ import annotations
 
-import os
-import sys
-
 from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import report  # noqa: E402
-from collective_math import efficiency, ring_allreduce_seconds  # noqa: E402
+import harness
+from collective_math import efficiency, ring_allreduce_seconds
 
 FLAGS = flags.FLAGS
 flags.DEFINE_float("bandwidth_gbit", 25.0, "Per-GPU network bandwidth, Gbit/s (Horovod's RoCE: 25).")
@@ -87,21 +83,19 @@ def main(argv):
     print(text)
     if not FLAGS.out:
         return
-    report.write_text(FLAGS.out + ".md", text)
-    plt = report.pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.8))
+    harness.write_report(FLAGS.out, text, plot=lambda ax: plot(ax, curves), figsize=(6, 3.8))
+    print(f"wrote {FLAGS.out}.md/.png")
+
+
+def plot(ax, curves):
     for (name, overlap), effs in curves.items():
         ax.plot(GPU_COUNTS, [e * 100 for e in effs], "o-" if overlap else "x--",
                 label=f"{name}, {overlap:.0%} overlap")
     ax.plot([512], [90], "k*", markersize=12, label="Horovod, ResNet-101 (published)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("GPUs")
-    ax.set_ylabel("scaling efficiency (%)")
     ax.set_ylim(0, 105)
-    ax.set_title(f"alpha-beta model, {FLAGS.bandwidth_gbit:g} Gbit/s ring")
-    ax.legend(fontsize=7)
-    report.save_figure(fig, FLAGS.out + ".png")
-    print(f"wrote {FLAGS.out}.md/.png")
+    harness.label_axes(ax, "GPUs", "scaling efficiency (%)",
+                       f"alpha-beta model, {FLAGS.bandwidth_gbit:g} Gbit/s ring", log2_x=True,
+                       legend={"fontsize": 7})
 
 
 if __name__ == "__main__":

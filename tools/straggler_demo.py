@@ -19,28 +19,23 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 
 from absl import app, flags
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-import report  # noqa: E402
+import harness
+from harness import ROOT
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("steps", 240, "Training steps of the job.")
+harness.define_flags(steps=(240, "Training steps of the job."), out="docs/benchmarks/straggler",
+                     child="run as a worker writing to this directory.")
 flags.DEFINE_integer("slow_after", 40, "Step after which worker 2 is slowed.")
 flags.DEFINE_float("compute_ms", 0.0, "Work added to the forward pass per step (ms).")
 flags.DEFINE_float("stop_ms", 150.0, "SIGSTOP phase of the duty cycle (ms).")
 flags.DEFINE_float("run_ms", 50.0, "SIGCONT phase of the duty cycle (ms).")
 flags.DEFINE_integer("window", 10, "StragglerMonitor window (steps).")
-flags.DEFINE_string("out", "docs/benchmarks/straggler", "Output prefix ('' to skip writing).")
-flags.DEFINE_string("child", "", "Internal: run as a worker writing to this directory.")
 flags.DEFINE_boolean("evict", False, "Internal: StragglerMonitor(evict=True) in the worker.")
 
 GLOBAL_BATCH = 24
@@ -81,18 +76,15 @@ def child():
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     train = tfdp.data.distribute(strategy, tf.data.Dataset.from_tensor_slices((x, y)), GLOBAL_BATCH)
 
-    class Stamps(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.f = open(os.path.join(out, f"steps-{slot}.txt"), "a")
+    stamps = open(os.path.join(out, f"steps-{slot}.txt"), "a")
 
-        def on_train_batch_end(self, batch, logs=None):
-            it = int(self.model.optimizer.iterations.numpy())
-            self.f.write(f"{os.environ.get('TFDP_ATTEMPT', '0')} {it} {time.time():.4f}\n")
-            self.f.flush()
+    def stamp(batch, logs=None):
+        it = int(model.optimizer.iterations.numpy())
+        stamps.write(f"{os.environ.get('TFDP_ATTEMPT', '0')} {it} {time.time():.4f}\n")
+        stamps.flush()  # the parent polls this file to know when to slow worker 2
 
     monitor = tfdp.callbacks.StragglerMonitor(window=FLAGS.window, evict=FLAGS.evict)
-    callbacks = [Stamps(), tfdp.callbacks.BackupAndRestore(os.path.join(out, "backup"), save_freq=10,
+    callbacks = [keras.callbacks.LambdaCallback(on_train_batch_end=stamp), tfdp.callbacks.BackupAndRestore(os.path.join(out, "backup"), save_freq=10,
                                                            dataset=train), monitor]
     model.fit(train, epochs=FLAGS.steps // (EXAMPLES // GLOBAL_BATCH), verbose=0, callbacks=callbacks)
     if strategy.cluster.is_chief:
@@ -130,11 +122,10 @@ def read_steps(path):
 def run_job(evict):
     tmp = tempfile.mkdtemp(prefix="tfdp-straggler-")
     extra = ["--max-restarts", "1", "--min-workers", "2"] if evict else []
-    cmd = [sys.executable, "-m", "tfdp.run", "--workers", "3", "--cpu-replicas", "1", *extra, "--",
-           sys.executable, os.path.abspath(__file__), f"--child={tmp}", f"--evict={evict}",
-           f"--compute_ms={FLAGS.compute_ms}", f"--window={FLAGS.window}", f"--steps={FLAGS.steps}"]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    cmd = harness.command(__file__, f"--child={tmp}", f"--evict={evict}",
+                          *harness.forward(FLAGS, "compute_ms", "window", "steps"),
+                          workers=3, cpu_replicas=1, launcher=extra)
+    proc = subprocess.Popen(cmd, env=harness.child_env(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     lines, slow, slowed_at = [], None, None
     steps_file = os.path.join(tmp, "steps-0.txt")
@@ -239,22 +230,19 @@ def main(argv):
     ])
     print(text)
     if FLAGS.out:
-        report.write_text(FLAGS.out + ".md", text)
         rows = [{"evict": e, "attempt": a, "iteration": i, "seconds": round(t - r["t0"], 4)}
                 for e, r in results.items() for a, i, t in r["records"]]
-        report.write_csv(FLAGS.out + ".csv", rows)
-        plt = report.pyplot()
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        for e, r in results.items():
-            series = rate_over_time(r["records"], r["t0"])
-            ax.plot([s for s, _ in series], [v for _, v in series], marker=".",
-                    label="evict=True" if e else "evict=False")
-            ax.axvline(r["slowed_at"], color="grey", linestyle=":", linewidth=1)
-        ax.set_xlabel("seconds since the first step")
-        ax.set_ylabel("steps / s (2 s bins)")
-        ax.set_title("Worker 2 slowed (dotted line): cost and recovery by eviction")
-        ax.legend()
-        report.save_figure(fig, FLAGS.out + ".png")
+        harness.write_report(FLAGS.out, text, rows, lambda ax: plot(ax, results), figsize=(7, 3.5))
+
+
+def plot(ax, results):
+    for e, r in results.items():
+        series = rate_over_time(r["records"], r["t0"])
+        ax.plot([s for s, _ in series], [v for _, v in series], marker=".",
+                label="evict=True" if e else "evict=False")
+        ax.axvline(r["slowed_at"], color="grey", linestyle=":", linewidth=1)
+    harness.label_axes(ax, "seconds since the first step", "steps / s (2 s bins)",
+                       "Worker 2 slowed (dotted line): cost and recovery by eviction", legend={})
 
 
 if __name__ == "__main__":

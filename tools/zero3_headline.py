@@ -27,15 +27,12 @@ import json
 import os
 import resource
 import subprocess
-import sys
 import threading
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
-
-import report  # noqa: E402  (tools/: the script's directory, or pytest's pythonpath)
+import harness  # tools/: the script's directory, or pytest's pythonpath
 
 CONFIGS = ("zero3", "zero2", "unsharded")
 LABELS = {"zero3": "ZeRO-3 (shard_parameters=True)", "zero2": "ZeRO-2 (ShardedOptimizer)",
@@ -59,14 +56,6 @@ def define_flags():
     flags.DEFINE_integer("timeout", 1500, "Seconds a child may run.")
     flags.DEFINE_string("out", "docs/benchmarks/zero3_headline", "Output prefix ('' to skip).")
     flags.DEFINE_string("child", "", "Internal: the configuration to run in this process.")
-
-
-def vm_hwm_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def out_of_memory(text: str) -> bool:
@@ -103,24 +92,19 @@ def _child():
         model.compile(optimizer=optimizer,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     print(f"built {model.count_params() / 1e9:.3f}B parameters in "
-          f"{time.perf_counter() - start:.0f} s, VmHWM {vm_hwm_bytes() / 2**30:.1f} GiB",
+          f"{time.perf_counter() - start:.0f} s, VmHWM {harness.vm_hwm_bytes() / 2**30:.1f} GiB",
           flush=True)
 
     times = []
 
-    class StepTimes(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.t = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter() - self.t)
-            print(f"step {batch + 1}: {times[-1]:.1f} s, loss {logs['loss']:.4f}, "
-                  f"VmHWM {vm_hwm_bytes() / 2**30:.1f} GiB", flush=True)
+    def show(batch, logs):
+        print(f"step {batch + 1}: {times[-1]:.1f} s, loss {logs['loss']:.4f}, "
+              f"VmHWM {harness.vm_hwm_bytes() / 2**30:.1f} GiB", flush=True)
 
     history = model.fit(data, epochs=1, steps_per_epoch=FLAGS.steps, verbose=0,
-                        callbacks=[StepTimes()])
+                        callbacks=[harness.timer(keras, times, after=show)])
     print("RESULT " + json.dumps(dict(
-        config=FLAGS.child, replicas=n, params=model.count_params(), vm_hwm=vm_hwm_bytes(),
+        config=FLAGS.child, replicas=n, params=model.count_params(), vm_hwm=harness.vm_hwm_bytes(),
         step_seconds=times, loss=history.history["loss"])), flush=True)
 
 
@@ -160,21 +144,20 @@ def _limit(gib, cgroup):
 
 def run_config(config) -> dict:
     """One configuration in a child under the memory bound: its RESULT, or how it failed."""
-    argv = [sys.executable, os.path.abspath(__file__), f"--child={config}"] + [
-        f"--{name}={getattr(FLAGS, name)}" for name in
-        ("width", "depth", "replicas", "steps", "batch_per_replica")]
+    argv = harness.command(__file__, f"--child={config}", *harness.forward(
+        FLAGS, "width", "depth", "replicas", "steps", "batch_per_replica"))
     start = time.perf_counter()
     cgroup = make_cgroup(f"tfdp_headline_{os.getpid()}_{config}", FLAGS.memory_limit_gb)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=_limit(FLAGS.memory_limit_gb, cgroup),
-                            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+                            env=harness.child_env())
     lines, stalled = [], []
     reader = threading.Thread(target=_read_lines, args=(proc, config, lines), daemon=True)
     reader.start()
     last_cpu, last_change = None, time.monotonic()
     while proc.poll() is None:
         time.sleep(2)
-        cpu = report.cpu_seconds(f"/proc/{proc.pid}/stat")
+        cpu = harness.cpu_seconds(f"/proc/{proc.pid}/stat")
         if cpu != last_cpu:
             last_cpu, last_change = cpu, time.monotonic()
         elif cgroup is None and time.monotonic() - last_change > 60:
@@ -187,10 +170,10 @@ def run_config(config) -> dict:
     if cgroup:
         os.rmdir(cgroup)
     text = "".join(lines)
-    for line in lines:
-        if line.startswith("RESULT "):
-            return dict(json.loads(line[len("RESULT "):]), outcome="trained", cgroup_peak=peak,
-                        seconds=time.perf_counter() - start)
+    found = harness.results(text)
+    if found:
+        return dict(found[0], outcome="trained", cgroup_peak=peak,
+                    seconds=time.perf_counter() - start)
     if cgroup and proc.returncode == -9:
         reason = (f"killed by the kernel at the {FLAGS.memory_limit_gb:g} GiB bound "
                   "(out of memory)")

@@ -39,7 +39,7 @@ import csv
 import os
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import harness
 
 # Bytes per parameter of the ZeRO paper's model states: (parameters, gradients, optimizer
 # states K). Mixed-precision Adam: fp16 parameters and gradients, fp32 master parameters +
@@ -164,34 +164,17 @@ def zero3_theory_bytes(params: int, unit_params, num_replicas: int) -> float:
     return 16.0 * params / num_replicas + 4.0 * sum(two)
 
 
-def vm_hwm_bytes() -> int:
-    """This process's peak resident memory (VmHWM), in bytes (Linux)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status (not Linux?)")
-
-
 def peak_command(config, replicas, model="6x2048", steps=3):
     """The command that measures one configuration's peak in a fresh process."""
-    import sys
-    return [sys.executable, os.path.abspath(__file__), f"--peak_child={config}",
-            f"--peak_child_replicas={replicas}", f"--peak_model={model}", f"--peak_steps={steps}"]
-
-
-def peak_environment():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("TF_CONFIG", None)
-    return env
+    return harness.command(__file__, f"--peak_child={config}", f"--peak_child_replicas={replicas}",
+                           f"--peak_model={model}", f"--peak_steps={steps}")
 
 
 def parse_peak(config, returncode, stdout, stderr) -> dict:
     """The PEAK result a child printed (see _peak_child), or a RuntimeError with its output."""
-    import json
-    for line in stdout.splitlines():
-        if line.startswith("PEAK "):
-            return json.loads(line[len("PEAK "):])
+    found = harness.results(stdout, prefix="PEAK ")
+    if found:
+        return found[0]
     raise RuntimeError(f"peak child {config} failed (exit {returncode}):\n"
                        f"{stdout[-2000:]}\n{stderr[-4000:]}")
 
@@ -214,14 +197,13 @@ def measure_peak_jobs(jobs, model="6x2048", steps=3, parallel=False, timeout=900
     if not parallel:
         out = []
         for config, replicas in jobs:
-            proc = subprocess.run(peak_command(config, replicas, model, steps),
-                                  capture_output=True, text=True, env=peak_environment(),
-                                  timeout=timeout)
+            proc = harness.run(peak_command(config, replicas, model, steps),
+                               env=harness.child_env(), timeout=timeout)
             out.append(parse_peak(config, proc.returncode, proc.stdout, proc.stderr))
         return out
     procs = [(config, subprocess.Popen(peak_command(config, replicas, model, steps),
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       text=True, env=peak_environment()))
+                                       text=True, env=harness.child_env()))
              for config, replicas in jobs]
     out = []
     for config, proc in procs:
@@ -258,7 +240,7 @@ def _peak_child(FLAGS):
             devices=devices, shard_parameters=kind.startswith("zero3"),
             reshard_after_forward=kind != "zero3_keep")
         data = tfdp.data.distribute(strategy, dataset, global_batch_size=batch)
-    start, before = time.perf_counter(), vm_hwm_bytes()
+    start, before = time.perf_counter(), harness.vm_hwm_bytes()
     with strategy.scope():
         model = keras.Sequential([keras.Input((1024,))] + [
             keras.layers.Dense(width, activation="relu") for _ in range(depth)] + [
@@ -270,7 +252,7 @@ def _peak_child(FLAGS):
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       jit_compile=FLAGS.peak_child.endswith("_xla"))
     model.fit(data, epochs=1, steps_per_epoch=FLAGS.peak_steps * (steps or 1), verbose=0)
-    growth = vm_hwm_bytes() - before
+    growth = harness.vm_hwm_bytes() - before
     try:
         allocator_peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     except (ValueError, tf.errors.OpError):
@@ -423,19 +405,12 @@ def _memory_and_time(FLAGS):
 
 def _run_child(FLAGS, label, spec):
     """Times one variant in a fresh process; returns its RESULT dict."""
-    import json
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, os.path.abspath(__file__), f"--child={label}", f"--child_model={spec}",
-           f"--time_replicas={FLAGS.time_replicas}",
-           f"--accumulation_steps={FLAGS.accumulation_steps}", f"--steps={FLAGS.steps}"]
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("TF_CONFIG", None)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+    cmd = harness.command(__file__, f"--child={label}", f"--child_model={spec}",
+                          *harness.forward(FLAGS, "time_replicas", "accumulation_steps", "steps"))
+    proc = harness.run(cmd, env=harness.child_env(), timeout=900)
+    found = harness.results(proc.stdout)
+    if found:
+        return found[0]
     raise RuntimeError(f"timing child {label} [{spec}] failed (exit {proc.returncode}):\n"
                        f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 

@@ -1,29 +1,6 @@
-"""Large-batch experiments: steps to a target validation accuracy vs batch size, per optimizer
-(SGD with momentum, Adam, LARS, LAMB), learning rate tuned per batch size, several seeds,
-every trial trained under tfdp.DataParallelStrategy (Shallue et al. 2018's measurement).
+"""The large-batch study's flags and its run: the sweep, the merge and the report
+(``python tools/large_batch.py``; the usage is that script's docstring)."""
 
-    python tools/large_batch.py                       # digits, tiny; writes ./large_batch_digits*
-    python tools/large_batch.py --dataset=fashion_mnist --out=docs/large_batch \\
-        --batch_sizes=32,64,128,256,512,1024,2048,4096,8192 --threads=1
-    python tools/large_batch.py --out=docs/large_batch --report_only   # tables/plots only
-    python tools/large_batch.py --shard=1/2 --results=b.jsonl ...      # half the groups
-    python tools/large_batch.py --merge=a.jsonl,b.jsonl --results=all.jsonl
-
-Every trial is one JSON line of the results file (``--results``, default ``{out}.jsonl``),
-written when it finishes. A rerun with the same flags skips the trials already there, so an
-interrupted sweep continues where it stopped; ``--shard=i/n`` runs every n-th (optimizer, batch,
-warmup) group, and ``--merge`` unites result files (one record per trial). The report (``{out}.md``
-generated section, ``{out}.csv``, ``{out}_steps.png``, ``{out}_compare.png``, ``{out}_lr.png``) is
-regenerated from the results file alone. The rules (budget, evaluation schedule, learning-rate
-search, regions) are in tools/large_batch_core.py's docstring; data in large_batch_data.py;
-training in large_batch_train.py.
-
-Exit status: 0; 1 for bad flags, files or a target the untrained model already meets; 2 when
-no trial reached the target (the trials stay in the results file); 3 when --max_trials stopped
-the sweep with trials left (rerun to continue). With --trials_per_process=N (default 40) the
-sweep runs in a series of child processes of N trials each (a multi-replica TensorFlow process
-does not give back the memory of the functions it traced).
-"""
 
 from __future__ import annotations
 
@@ -32,14 +9,13 @@ import sys
 import time
 import traceback
 
-from absl import app, flags, logging as absl_logging
+from absl import flags, logging as absl_logging
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
-import large_batch_core as core  # noqa: E402
-import large_batch_data  # noqa: E402
+import harness
+from large_batch import core
+from large_batch import data as large_batch_data
+
+SCRIPT = os.path.join(harness.HERE, "large_batch.py")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("dataset", "digits", ["digits", "fashion_mnist"], "Dataset.")
@@ -119,7 +95,7 @@ def _batches(n_train: int) -> list[int]:
 
 def report_from(results: str, out: str) -> int:
     """Writes the report of ``results``; 2 when no trial reached the target."""
-    import large_batch_report
+    from large_batch import report as large_batch_report
 
     records = core.read_records(results)
     if not records:
@@ -158,7 +134,7 @@ def _checked_lists():
 
 
 def run_sweep(out, results) -> int:
-    import large_batch_sweep
+    from large_batch import sweep as large_batch_sweep
 
     warmups = _checked_lists()
     shard = core.parse_shard(FLAGS.shard)
@@ -177,7 +153,7 @@ def run_sweep(out, results) -> int:
     strategy = []
 
     def train(key):
-        import large_batch_train
+        from large_batch import train as large_batch_train
 
         if not strategy:  # TensorFlow starts only when there is something to train
             strategy.append(large_batch_train.configure(FLAGS.replicas, FLAGS.threads))
@@ -205,8 +181,8 @@ def run_in_child_processes() -> int:
     """The sweep as a series of child processes of --trials_per_process trials each."""
     import subprocess
 
-    command = [sys.executable, os.path.abspath(__file__), *sys.argv[1:],
-               f"--max_trials={FLAGS.trials_per_process}", "--trials_per_process=0"]
+    command = harness.command(SCRIPT, *sys.argv[1:],
+                              f"--max_trials={FLAGS.trials_per_process}", "--trials_per_process=0")
     children = 0
     while True:
         children += 1
@@ -254,6 +230,3 @@ def main(argv):
         sys.stderr.flush()
         os._exit(1)
 
-
-if __name__ == "__main__":
-    app.run(main)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-import large_batch_core as core
+from large_batch import core
 
 
 def build_setup(data, *, hidden, target, max_epochs, max_steps, eval_ratio, lr_ratio, ref_lrs,

@@ -25,7 +25,7 @@ import os
 import socket
 import time
 
-import large_batch_core as core
+from large_batch import core
 
 OPTIMIZERS = ("sgd", "adam", "lars", "lamb")
 
@@ -209,7 +209,7 @@ class _Trainer:
 def run_trial(strategy, data, setup: dict, key: tuple, *, max_replica_batch: int = 0,
               threads: int = 0) -> dict:
     """Trains one trial until it reaches ``setup["target"]``, diverges or spends its budget;
-    returns its record (see large_batch_core's module docstring)."""
+    returns its record (see large_batch/core.py's module docstring)."""
     import keras
 
     optimizer, batch, warmup, lr_index, seed = key
