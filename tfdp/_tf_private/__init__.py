@@ -10,10 +10,11 @@ confusing error deep inside training.
 
 The areas:
 
-* ``core``: how a private name is reached (``_get``, ``require_attributes``: a missing one is a
-  ``PrivateAPIError`` naming it and what tfdp used it for) and how an attribute is replaced
-  process-wide (``_patch``, ``_replace``), recorded so that ``restore_patches()`` puts
-  TensorFlow and Keras back exactly as they were; ``patched()`` lists what is replaced.
+* ``core``: how a private name is reached (``get_private``, ``require_attributes``: a missing
+  one is a ``PrivateAPIError`` naming it and what tfdp used it for) and how an attribute is
+  replaced process-wide (``patch_attribute``, ``replace_attribute``, ``provide_attribute``),
+  recorded so that ``restore_patches()`` puts TensorFlow and Keras back exactly as they were;
+  ``patched()`` lists what is replaced.
 * ``distribute``: tf.distribute internals: the strategy engine tfdp extends, its collective
   launchers and ops, the XLA-trace test, collective timing and abort.
 * ``data``: tf.data internals: a distributed dataset's cardinality and end-of-data agreement,
@@ -45,10 +46,11 @@ from __future__ import annotations
 
 from tfdp._tf_private.core import (
     PrivateAPIError,
-    _get,
-    _patch,
-    _replace,
+    get_private,
+    patch_attribute,
     patched,
+    provide_attribute,
+    replace_attribute,
     require_attributes,
     restore_patches,
 )
@@ -68,7 +70,6 @@ from tfdp._tf_private.distribute import (
     DistributedValues,
     SingleDevice,
     StrategyBase,
-    _collective_ops,
     abort_collective_ops,
     add_control_input,
     operation_count,
@@ -86,6 +87,7 @@ from tfdp._tf_private.distribute import (
     patch_collective_ops,
     run_independently,
     set_collective_key_base,
+    tf_collective_ops,
 )
 from tfdp._tf_private.data import (
     autograph_user_function,
@@ -99,7 +101,6 @@ from tfdp._tf_private.data import (
 from tfdp._tf_private.compile_cache import align_function_names
 from tfdp._tf_private.coordination import (
     COLLECTIVE_RUNTIME_CONTEXT_METHODS,
-    _eager_context,
     coordination_service_configured,
     eager_context_initialized,
     preconfigure_collective_runtime,
@@ -107,8 +108,12 @@ from tfdp._tf_private.coordination import (
     delete_from_coordination_service,
     read_from_coordination_service,
     reuse_running_collective_server,
+    tf_eager_context,
     wait_at_coordination_barrier,
 )
+
+# tests/test_horovod.py's spelling from before the module was public here.
+_eager_context = tf_eager_context
 from tfdp._tf_private.keras_trainer import (
     keras_call_has_training_arg,
     keras_compute_loss,
@@ -205,11 +210,10 @@ from tfdp._tf_private.keras_saving import (
     set_checkpoint_manager_state,
 )
 
-# The names callers use; the underscore ones above (_get, _patch, _replace, _collective_ops,
-# _eager_context) are for tfdp's own code and tests/test_tf_private.py.
 __all__ = [
-    # core
-    "PrivateAPIError", "require_attributes", "restore_patches", "patched",
+    # core (get_private and the *_attribute functions are the area modules' own tools)
+    "PrivateAPIError", "require_attributes", "restore_patches", "patched", "get_private",
+    "patch_attribute", "replace_attribute", "provide_attribute",
     # keras_random
     "KERAS_SHAPED_DRAWS", "KERAS_INPUT_DRAWS", "patch_keras_random", "keras_draw_seed",
     "drawn_seed", "convert_like_strategy_run",
@@ -219,7 +223,7 @@ __all__ = [
     "EXTENDED_HOOKS", "COLLECTIVE_OP_FUNCTIONS", "set_collective_key_base",
     "extended_num_workers", "communication_options", "map_distributed", "in_xla_context",
     "all_to_all", "collective_launchers", "all_gather", "broadcast", "all_reduce", "add_control_input", "operation_count", "operations_since", "local_replica_id",
-    "run_independently", "patch_collective_ops", "abort_collective_ops",
+    "run_independently", "patch_collective_ops", "abort_collective_ops", "tf_collective_ops",
     # data
     "set_distributed_dataset_cardinality", "skip_end_of_data_agreement",
     "end_of_data_agreement", "dataset_flat_types_and_shapes", "autograph_user_function",
@@ -232,7 +236,7 @@ __all__ = [
     "delete_from_coordination_service",
     "coordination_service_configured", "wait_at_coordination_barrier",
     "COLLECTIVE_RUNTIME_CONTEXT_METHODS", "eager_context_initialized", "align_function_names",
-    "preconfigure_collective_runtime", "reuse_running_collective_server",
+    "preconfigure_collective_runtime", "reuse_running_collective_server", "tf_eager_context",
     # keras_trainer
     "patch_keras_fit", "patch_keras_auto_jit_compile", "patch_keras_step_functions", "keras_make_step_function",
     "keras_model_supports_jit", "keras_compute_loss", "keras_call_has_training_arg",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from tensorflow.python.framework import ops as _ops
 
-from tfdp._tf_private.core import _get
+from tfdp._tf_private.core import get_private
 
 __all__ = ["align_function_names"]
 
@@ -28,7 +28,7 @@ def align_function_names(block: int = _BLOCK) -> int:
 
     Deterministic while fewer than ``block`` uids were taken before (a process takes a few
     thousand before its first step)."""
-    uid = _get(_ops, "uid", _USED_FOR)
+    uid = get_private(_ops, "uid", _USED_FOR)
     value = uid()
     target = (value // block + 1) * block
     while value < target:

@@ -18,7 +18,7 @@ import copy as _copy
 # engine starts on the chief for heartbeats and errors. TensorFlow exposes it only on the
 # eager context (tf.experimental.dtensor's barrier uses the same call); there is no public
 # barrier or shutdown for it.
-from tensorflow.python.eager import context as _eager_context
+from tensorflow.python.eager import context as tf_eager_context
 
 # Why: MultiWorkerMirroredStrategy's engine configures the eager context's collective ops,
 # coordination service and gRPC server in its constructor, which must run before the context
@@ -32,7 +32,7 @@ from tensorflow.python.distribute import multi_worker_util as _multi_worker_util
 from tensorflow.core.protobuf import tensorflow_server_pb2 as _server_pb2
 from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2 as _coordination_pb2
 
-from tfdp._tf_private.core import _get
+from tfdp._tf_private.core import get_private
 from tfdp._tf_private.core import require_attributes as _require_attributes
 
 
@@ -41,26 +41,26 @@ from tfdp._tf_private.core import require_attributes as _require_attributes
 # has a key-value store (TensorFlow's preemption handling uses it); tf.distribute exposes no
 # public exchange outside collectives, which would themselves fail on a shared GPU.
 def publish_to_coordination_service(key: str, value: str) -> None:
-    _eager_context.context().set_config_key_value(key, value)
+    tf_eager_context.context().set_config_key_value(key, value)
 
 
 def delete_from_coordination_service(key: str) -> None:
     """Removes ``key`` (no error when it is not there)."""
     try:
-        _eager_context.context().delete_config_key_value(key)
+        tf_eager_context.context().delete_config_key_value(key)
     except Exception:  # noqa: BLE001  (tf.errors.OpError: already gone, or the service is)
         pass
 
 
 def read_from_coordination_service(key: str, timeout_seconds: float) -> str:
     """Blocks until ``key`` is set (at most ``timeout_seconds``; then a tf.errors.OpError)."""
-    return _eager_context.context().get_config_key_value(
+    return tf_eager_context.context().get_config_key_value(
         key, max(1, int(timeout_seconds * 1000)))
 
 
 def coordination_service_configured() -> bool:
     """True when this process takes part in a coordination service (multi-worker)."""
-    return _eager_context.context().coordination_service is not None
+    return tf_eager_context.context().coordination_service is not None
 
 
 def wait_at_coordination_barrier(barrier_id: str, timeout_seconds: float) -> None:
@@ -68,7 +68,7 @@ def wait_at_coordination_barrier(barrier_id: str, timeout_seconds: float) -> Non
 
     Raises a ``tf.errors.OpError`` when it times out or the service finds a task dead.
     """
-    _eager_context.context().wait_at_barrier(barrier_id, max(1, int(timeout_seconds * 1000)))
+    tf_eager_context.context().wait_at_barrier(barrier_id, max(1, int(timeout_seconds * 1000)))
 
 
 # --- joining the collective runtime before the context starts (tfdp.horovod) ---------------
@@ -82,7 +82,7 @@ _USED_FOR = "joining a job's collective runtime before the eager context initial
 
 def eager_context_initialized() -> bool:
     """Whether TensorFlow's eager context has started (devices fixed, runtime running)."""
-    return _get(_eager_context.context(), "_initialized", _USED_FOR)
+    return get_private(tf_eager_context.context(), "_initialized", _USED_FOR)
 
 
 def preconfigure_collective_runtime(cluster_spec: dict, task_type: str, task_id: int) -> None:
@@ -101,7 +101,7 @@ def preconfigure_collective_runtime(cluster_spec: dict, task_type: str, task_id:
     Raises:
         RuntimeError: the context has initialised already.
     """
-    context = _eager_context.context()
+    context = tf_eager_context.context()
     _require_attributes(type(context), COLLECTIVE_RUNTIME_CONTEXT_METHODS, _USED_FOR)
     if eager_context_initialized():
         raise RuntimeError("TensorFlow's runtime has started already")
@@ -151,10 +151,10 @@ def reuse_running_collective_server(extended, cluster_resolver) -> bool:
     spec = cluster_resolver.cluster_spec()
     if not spec.as_dict():
         return False  # a single process: no server
-    context = _eager_context.context()
+    context = tf_eager_context.context()
     if not eager_context_initialized():
         return False  # the engine's call only records the definition: nothing is replaced
-    running = _get(context, "_collective_ops_server_def", "reusing the collective server")
+    running = get_private(context, "_collective_ops_server_def", "reusing the collective server")
     if (running is None or running.cluster != spec.as_cluster_def()
             or running.job_name != cluster_resolver.task_type
             or running.task_index != cluster_resolver.task_id):

@@ -1,15 +1,17 @@
 """How tfdp reaches a TensorFlow/Keras private name, and how it undoes what it replaced.
 
-The rule of this module: every private attribute read goes through ``_get`` or
+The rule of this module: every private attribute read goes through ``get_private`` or
 ``require_attributes``, and every process-wide replacement of a TensorFlow or Keras attribute
-(a class method, a module function, a name in a generated API module) goes through ``_patch``
-or ``_replace``. So a TensorFlow or Keras upgrade that renames one fails with
+(a class method, a module function, a name in a generated API module) goes through
+``patch_attribute`` or ``replace_attribute`` (``provide_attribute`` for one that may be
+absent). So a TensorFlow or Keras upgrade that renames one fails with
 ``PrivateAPIError`` naming the attribute and what tfdp used it for, at the first use (import
 time for class hooks), and ``restore_patches()`` puts TensorFlow and Keras back exactly as
 they were. Setting an attribute of one object a user owns (a model, a checkpoint manager) is
 not process-wide and needs no record.
 
-The area modules of ``tfdp._tf_private`` import this one; it imports none of them.
+The area modules of ``tfdp._tf_private`` import this one; it imports none of them. Its names
+are public within the package (every area uses them), not to tfdp outside it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ def _missing(owner, name, used_for) -> PrivateAPIError:
         "tfdp release made for yours; tfdp/_tf_private/ is the one place to adapt.")
 
 
-def _get(obj, name, used_for):
+def get_private(obj, name, used_for):
+    """``obj.name``, or PrivateAPIError naming it and ``used_for`` when the installed version
+    lacks it."""
     try:
         return getattr(obj, name)
     except AttributeError:
@@ -71,7 +75,7 @@ def _own_entry(owner, name):
         return getattr(owner, name, _ABSENT)
 
 
-def _replace(owner, name, value, used_for) -> None:
+def replace_attribute(owner, name, value, used_for) -> None:
     """Sets ``owner.name = value`` process-wide, recorded so ``restore_patches`` undoes it."""
     with _lock:
         if not hasattr(owner, name):
@@ -80,7 +84,7 @@ def _replace(owner, name, value, used_for) -> None:
         setattr(owner, name, value)
 
 
-def _patch(owner, name, make, used_for):
+def patch_attribute(owner, name, make, used_for):
     """Replaces ``owner.name`` by ``make(original)`` once; returns the original.
 
     Idempotent: an attribute tfdp already patched is left alone (its original is returned).
@@ -95,11 +99,11 @@ def _patch(owner, name, make, used_for):
         replacement = make(current)
         replacement._tfdp_patch = True
         replacement.__wrapped__ = current
-        _replace(owner, name, replacement, used_for)
+        replace_attribute(owner, name, replacement, used_for)
         return current
 
 
-def _provide(owner, name, value, used_for) -> None:
+def provide_attribute(owner, name, value, used_for) -> None:
     """Sets ``owner.name = value`` whether or not the owner has the attribute (a function a
     Keras backend module lacks), recorded so ``restore_patches`` removes it or puts the old
     one back. Idempotent: a value tfdp already provided is left alone."""
@@ -119,7 +123,8 @@ def patched() -> list:
 
 
 def restore_patches() -> int:
-    """Puts back every original ``_patch``/``_replace`` recorded, newest first; returns how many.
+    """Puts back every original recorded (``patch_attribute``, ``replace_attribute``,
+    ``provide_attribute``), newest first; returns how many.
 
     TensorFlow and Keras are then as tfdp found them. tfdp's own "installed once" flags are not
     reset, so a process that restores and then needs tfdp's hooks again re-applies them itself.

@@ -108,7 +108,7 @@ def patch_device_datasets_without_autotune() -> None:
     the multi-device iterator; the source pipeline keeps its own options."""
     import tensorflow as tf
 
-    from tfdp._tf_private.core import _patch
+    from tfdp._tf_private.core import patch_attribute
 
     def make(original):
         def create_device_dataset(*args, **kwargs):
@@ -118,7 +118,7 @@ def patch_device_datasets_without_autotune() -> None:
 
         return create_device_dataset
 
-    _patch(_multi_device_iterator_ops, "_create_device_dataset", make,
+    patch_attribute(_multi_device_iterator_ops, "_create_device_dataset", make,
            "per-replica input without tf.data's autotune thread")
 
 
@@ -203,7 +203,7 @@ def patch_per_device_generators_traced_once() -> None:
 
     import tensorflow as tf
 
-    from tfdp._tf_private.core import _patch
+    from tfdp._tf_private.core import patch_attribute
 
     generator_class = _multi_device_iterator_ops._PerDeviceGenerator
     traced: dict = {}  # key -> (init, next, finalize); dropped with the patch
@@ -246,7 +246,7 @@ def patch_per_device_generators_traced_once() -> None:
         __init__.traced = traced
         return __init__
 
-    _patch(generator_class, "__init__", make,
+    patch_attribute(generator_class, "__init__", make,
            "per-replica input functions traced once, not per epoch")
 
 

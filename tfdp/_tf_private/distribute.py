@@ -10,7 +10,8 @@ step deadline. Each entry says why no public API serves; tests/test_tf_private.p
 
 from __future__ import annotations
 
-from tfdp._tf_private.core import _get, _patch, _replace, require_attributes
+from tfdp._tf_private.core import (get_private, patch_attribute, replace_attribute,
+                                   require_attributes)
 
 # Why: tf.distribute has no public way to build a Strategy with a custom extended object.
 # CollectiveAllReduceExtended is the engine under MultiWorkerMirroredStrategy: it mirrors
@@ -38,7 +39,7 @@ from tensorflow.python.distribute.numpy_dataset import SingleDevice
 # Why: TensorFlow exposes no all-to-all on ReplicaContext, and its reduce-scatter op has
 # no CPU kernel. The op must use the strategy's own collective launcher's group key,
 # instance keys and ordering token so it never clashes with TensorFlow's collectives.
-from tensorflow.python.ops import collective_ops as _collective_ops
+from tensorflow.python.ops import collective_ops as tf_collective_ops
 
 # Why: tfdp refuses XLA compilation of a multi-replica CPU step with a clear message (see
 # strategy.py, DataParallelStrategy.run). tf.function(jit_compile=True) marks the graph it
@@ -82,7 +83,7 @@ def set_collective_key_base(strategy, base: int) -> None:
 def extended_num_workers(extended) -> int:
     """Workers of a collective strategy's extended object. Why: no public attribute;
     ``num_replicas_in_sync`` counts local devices too."""
-    return _get(extended, "_num_workers", "counting workers")
+    return get_private(extended, "_num_workers", "counting workers")
 
 
 def communication_options(extended):
@@ -93,7 +94,7 @@ def communication_options(extended):
     its ``implementation`` before the first collective switches all of them (the shared-GPU
     fallback to ring does so).
     """
-    return _get(extended, "_communication_options", "collective timeout and implementation")
+    return get_private(extended, "_communication_options", "collective timeout and implementation")
 
 
 def map_distributed(fn, value):
@@ -127,7 +128,7 @@ def all_to_all(launcher, value, options):
     import tensorflow as tf
 
     with tf.device(launcher._device):  # noqa: SLF001
-        return _collective_ops.all_to_all_v2(
+        return tf_collective_ops.all_to_all_v2(
             value, launcher._group_size, launcher._group_key,  # noqa: SLF001
             launcher._next_instance_key(),  # noqa: SLF001
             communication_hint=options.implementation.value,
@@ -161,7 +162,7 @@ def add_control_input(op, dependency) -> None:
 
 def operation_count(graph) -> int:
     """How many ops ``graph`` holds (``operations_since``'s bookmark)."""
-    return len(_get(graph, "operations", "reading the ops a graph holds without copying"))
+    return len(get_private(graph, "operations", "reading the ops a graph holds without copying"))
 
 
 def operations_since(graph, count: int) -> list:
@@ -174,7 +175,8 @@ def operations_since(graph, count: int) -> list:
     layers on 8 replicas); the graph's ``operations`` list, which TensorFlow's C++ graph
     keeps and hands out without a copy (0.09 ms), gives the new ops in time linear in them.
     """
-    return list(_get(graph, "operations", "reading the ops a graph holds without copying")[count:])
+    operations = get_private(graph, "operations", "reading the ops a graph holds without copying")
+    return list(operations[count:])
 
 
 def collective_launchers(extended):
@@ -212,10 +214,10 @@ def broadcast(launcher, value, shape, dtype, options):
 
     with tf.device(launcher._device):  # noqa: SLF001
         if value is not None:
-            return _collective_ops.broadcast_send_v2(
+            return tf_collective_ops.broadcast_send_v2(
                 value, launcher._group_size, launcher._group_key, instance_key,  # noqa: SLF001
                 communication_hint=hint, timeout=options.timeout_seconds)
-        return _collective_ops.broadcast_recv_v2(
+        return tf_collective_ops.broadcast_recv_v2(
             tf.constant(list(shape), tf.int32), dtype,
             launcher._group_size, launcher._group_key, instance_key,  # noqa: SLF001
             communication_hint=hint, timeout=options.timeout_seconds)
@@ -258,14 +260,14 @@ def run_independently(op) -> None:
     """
     manager = getattr(op.graph, "experimental_acd_manager", None)
     if manager is not None:
-        _get(manager, "run_independently", "timing collectives (StragglerMonitor)")(op)
+        get_private(manager, "run_independently", "timing collectives (StragglerMonitor)")(op)
 
 
 def patch_collective_ops(make) -> None:
     """Replaces each of ``COLLECTIVE_OP_FUNCTIONS`` by ``make(original)`` once (same
     signature: the tensor first)."""
     for name in COLLECTIVE_OP_FUNCTIONS:
-        _patch(_collective_ops, name, make, "timing collectives (StragglerMonitor)")
+        patch_attribute(tf_collective_ops, name, make, "timing collectives (StragglerMonitor)")
 
 
 def abort_collective_ops(message: str) -> None:
@@ -293,11 +295,11 @@ def patch_autograph_leaves_module(prefix: str) -> None:
     """Adds a DoNotConvert rule for the modules ``prefix`` and ``prefix.*`` to AutoGraph's
     conversion rules, first (idempotent): AutoGraph then calls their functions as written, with
     the caller's AutoGraph status unchanged, as it calls TensorFlow's and Keras's."""
-    rules = _get(_autograph_config, "CONVERSION_RULES", "leaving tfdp's code to AutoGraph")
+    rules = get_private(_autograph_config, "CONVERSION_RULES", "leaving tfdp's code to AutoGraph")
     if any(isinstance(rule, _autograph_config.DoNotConvert) and rule.matches(prefix)
            for rule in rules):
         return
-    _replace(_autograph_config, "CONVERSION_RULES",
+    replace_attribute(_autograph_config, "CONVERSION_RULES",
              (_autograph_config.DoNotConvert(prefix),) + tuple(rules),
              "leaving tfdp's code to AutoGraph")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 
-from tfdp._tf_private.core import _patch, _provide
+from tfdp._tf_private.core import patch_attribute, provide_attribute
 
 # Functions of keras.src.backend.tensorflow.distribution_lib tfdp replaces (present) or
 # provides (absent in Keras 3.15: the JAX backend has them, the front end asks for them).
@@ -53,10 +53,10 @@ def patch_keras_backend_distribution(functions: dict) -> None:
     module = keras_backend_distribution_lib()
     for name, function in functions.items():
         if name in BACKEND_REPLACED:
-            _patch(module, name, lambda original, f=function: _wrapping(f, original),
+            patch_attribute(module, name, lambda original, f=function: _wrapping(f, original),
                    "keras.distribution through tfdp")
         elif name in BACKEND_PROVIDED:
-            _provide(module, name, function, "keras.distribution through tfdp")
+            provide_attribute(module, name, function, "keras.distribution through tfdp")
         else:
             raise ValueError(f"not a backend distribution function tfdp handles: {name}")
 
@@ -78,7 +78,7 @@ def patch_keras_set_distribution(make) -> None:
     original = getattr(original, "__wrapped__", original)
     for module in list(sys.modules.values()):
         if module is not None and getattr(module, "set_distribution", None) is original:
-            _patch(module, "set_distribution", make, "keras.distribution through tfdp")
+            patch_attribute(module, "set_distribution", make, "keras.distribution through tfdp")
 
 
 def patch_keras_variable_initialize(make) -> None:
@@ -86,12 +86,12 @@ def patch_keras_variable_initialize(make) -> None:
     ``tf.Variable`` is created, inside ``self``'s path) by ``make(original)``."""
     from keras.src.backend.tensorflow.core import Variable
 
-    _patch(Variable, "_initialize", make, "which Keras variable a tf.Variable is made for")
+    patch_attribute(Variable, "_initialize", make, "which Keras variable a tf.Variable is made for")
 
 
 def patch_keras_distribute_dataset(make) -> None:
     """Replaces ``Distribution.distribute_dataset`` by ``make(original)``."""
-    _patch(keras_distribution_base(), "distribute_dataset", make,
+    patch_attribute(keras_distribution_base(), "distribute_dataset", make,
            "each example once per epoch across workers")
 
 

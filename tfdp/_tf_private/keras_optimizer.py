@@ -14,7 +14,7 @@ import threading
 
 import keras
 
-from tfdp._tf_private.core import _get, _patch, require_attributes
+from tfdp._tf_private.core import get_private, patch_attribute, require_attributes
 
 # Why: Keras 3 reduces gradients only inside the TensorFlow optimizer backend, *after*
 # clipping them (so clipnorm/global_clipnorm act on local gradients). No public hook
@@ -62,7 +62,7 @@ def optimizer_step_counter(optimizer):
     Why: the public ``iterations`` is ``floor(counter / k)`` with ``gradient_accumulation_steps
     = k``; ShardedOptimizer advances and reads the raw counter as Keras's apply does.
     """
-    return _get(optimizer, "_iterations", "the micro-batch counter")
+    return get_private(optimizer, "_iterations", "the micro-batch counter")
 
 
 def optimizer_own_variables(optimizer) -> list:
@@ -71,24 +71,24 @@ def optimizer_own_variables(optimizer) -> list:
     Why: ``variables`` is a read-only copy; ShardedOptimizer removes the wrapped optimizer's
     sharded slots from what it saves by position (it saves them consolidated itself).
     """
-    return _get(optimizer, "_variables", "the variables an optimizer saves")
+    return get_private(optimizer, "_variables", "the variables an optimizer saves")
 
 
 def set_optimizer_own_variables(optimizer, variables) -> None:
-    _get(optimizer, "_variables", "the variables an optimizer saves")
+    get_private(optimizer, "_variables", "the variables an optimizer saves")
     optimizer._variables = list(variables)  # noqa: SLF001
 
 
 def gradient_accumulators(optimizer) -> list:
     """The accumulators of ``gradient_accumulation_steps``, one per model variable, in the
     model variables' order. Why: no public getter."""
-    return _get(optimizer, "_accumulated_gradients", "gradient accumulators")
+    return get_private(optimizer, "_accumulated_gradients", "gradient accumulators")
 
 
 def moving_averages(optimizer) -> list:
     """The EMA copies of ``use_ema=True``, one per model variable (None where not averaged).
     Why: no public getter."""
-    return _get(optimizer, "_model_variables_moving_average", "EMA copies")
+    return get_private(optimizer, "_model_variables_moving_average", "EMA copies")
 
 
 # --- What ShardedOptimizer needs to know about a wrapped optimizer (sharded.py, sharded_state.py)
@@ -153,7 +153,7 @@ def replace_variable_storage(variable, storage) -> None:
     touching those. Keras's TensorFlow Variable keeps it in ``_value`` (its ``_initialize``
     takes a tf.Variable the same way); no public API re-homes a variable.
     """
-    _get(variable, "_value", "the tf.Variable a Keras variable wraps")
+    get_private(variable, "_value", "the tf.Variable a Keras variable wraps")
     variable._value = storage  # noqa: SLF001
 
 
@@ -218,15 +218,16 @@ def patch_keras_gradient_reduction(make_clip_gradients, make_all_reduce_sum_grad
     lets a strategy reduce first; tfdp reduces in the clip step and makes the later
     all-reduce a pass-through (gradient_hooks.install).
     """
-    _patch(TFOptimizer, "_clip_gradients", make_clip_gradients, "reducing before clipping")
-    _patch(TFOptimizer, "_all_reduce_sum_gradients", make_all_reduce_sum_gradients,
+    patch_attribute(TFOptimizer, "_clip_gradients", make_clip_gradients, "reducing before clipping")
+    patch_attribute(TFOptimizer, "_all_reduce_sum_gradients", make_all_reduce_sum_gradients,
            "skipping Keras's own all-reduce")
 
 
 def patch_loss_scale_check_finite(make) -> None:
     """Class patch of LossScaleOptimizer.check_finite. Why: it decides from this replica's
     gradients only; tfdp makes every replica agree (collectives.py). No public hook."""
-    _patch(LossScaleOptimizer, "check_finite", make, "agreeing on overflow across replicas")
+    patch_attribute(LossScaleOptimizer, "check_finite", make,
+                    "agreeing on overflow across replicas")
 
 
 def patch_loss_scale_saving(make_save, make_load) -> None:
@@ -236,8 +237,10 @@ def patch_loss_scale_saving(make_save, make_load) -> None:
     ShardedOptimizer that list depends on the topology (sharding.py). Keras's class has no
     hook to save only its own variables.
     """
-    _patch(LossScaleOptimizer, "save_own_variables", make_save, "saving around ShardedOptimizer")
-    _patch(LossScaleOptimizer, "load_own_variables", make_load, "loading around ShardedOptimizer")
+    patch_attribute(LossScaleOptimizer, "save_own_variables", make_save,
+                    "saving around ShardedOptimizer")
+    patch_attribute(LossScaleOptimizer, "load_own_variables", make_load,
+                    "loading around ShardedOptimizer")
 
 
 # --- Which variables a step updates (sharded parameters, strategy/sharded_parameters.py) -----
@@ -252,7 +255,8 @@ def patch_keras_apply_gradients(make) -> None:
     parameter's gradient is reduced already and its norm is spread over replicas. The caller
     one level up has both; no public hook passes the variables down.
     """
-    _patch(TFOptimizer, "_backend_apply_gradients", make, "knowing the variables being updated")
+    patch_attribute(TFOptimizer, "_backend_apply_gradients", make,
+                    "knowing the variables being updated")
 
 
 def patch_keras_optimizer_apply(make) -> None:
@@ -265,7 +269,7 @@ def patch_keras_optimizer_apply(make) -> None:
     (MirroredStrategy too) with "You must feed a value for placeholder tensor ...". tfdp
     builds the optimizer outside the function first; no public hook runs before the build.
     """
-    _patch(TFOptimizer, "apply", make, "building an optimizer outside a traced step")
+    patch_attribute(TFOptimizer, "apply", make, "building an optimizer outside a traced step")
 
 
 def applying_variables():
@@ -295,5 +299,5 @@ def patch_keras_moving_average_update(make) -> None:
     No public hook; tfdp's replacement does the same arithmetic on the slices
     (strategy/sharded_parameters.py).
     """
-    _patch(TFOptimizer, "_update_model_variables_moving_average", make,
+    patch_attribute(TFOptimizer, "_update_model_variables_moving_average", make,
            "updating sharded moving averages")

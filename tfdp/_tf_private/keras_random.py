@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 
-from tfdp._tf_private.core import _patch
+from tfdp._tf_private.core import patch_attribute
 
 # Why: every Keras random op (keras.random.*, Dropout, GaussianNoise, the augmentation layers)
 # ends in one of these functions of the TensorFlow backend's random module, looked up at call
@@ -31,9 +31,9 @@ def patch_keras_random(make_shaped, make_input_led) -> None:
     """Module patches of the Keras TensorFlow backend's random draws (see the Why above)."""
     module = _random_module()
     for name in KERAS_SHAPED_DRAWS:
-        _patch(module, name, make_shaped, "replica draws as on one device")
+        patch_attribute(module, name, make_shaped, "replica draws as on one device")
     for name in KERAS_INPUT_DRAWS:
-        _patch(module, name, make_input_led, "replica draws as on one device")
+        patch_attribute(module, name, make_input_led, "replica draws as on one device")
 
 
 def keras_draw_seed(seed):

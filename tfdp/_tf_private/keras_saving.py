@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import namedtuple as _namedtuple
 
-from tfdp._tf_private.core import _get, _patch, _replace
+from tfdp._tf_private.core import get_private, patch_attribute, replace_attribute
 
 # --- Chief-only writes and agreed decisions (tfdp/strategy/chief_writes.py, tfdp/strategy/consensus.py) ------
 # A Keras script runs unchanged on several workers: every write below still runs on every
@@ -37,7 +37,7 @@ def patch_keras_file_writers(make) -> None:
 
     for module, name in ((saving_lib, "save_model"), (saving_lib, "save_weights_only"),
                          (legacy_h5_format, "save_model_to_hdf5")):
-        _patch(module, name, make, _CHIEF_WRITES)
+        patch_attribute(module, name, make, _CHIEF_WRITES)
 
 
 def patch_keras_makedirs(make) -> None:
@@ -51,14 +51,14 @@ def patch_keras_makedirs(make) -> None:
     """
     from keras.src.utils import file_utils
 
-    _patch(file_utils, "makedirs", make, _CHIEF_WRITES)
+    patch_attribute(file_utils, "makedirs", make, _CHIEF_WRITES)
 
 
 def patch_keras_export(make) -> None:
     """Replaces ``keras.Model.export`` (public; every export format) by ``make(original)``."""
     import keras
 
-    _patch(keras.Model, "export", make, _CHIEF_WRITES)
+    patch_attribute(keras.Model, "export", make, _CHIEF_WRITES)
 
 
 def patch_tensorflow_file_writers(make) -> None:
@@ -80,10 +80,10 @@ def patch_tensorflow_file_writers(make) -> None:
             (summary_ops_v2, "create_file_writer_v2", tf.summary, "create_file_writer",
              "logdir", True),
             (saved_model_save, "save", tf.saved_model, "save", "export_dir", False)):
-        original = _patch(module, name, lambda f, p=parameter, k=keep: make(f, p, k),
+        original = patch_attribute(module, name, lambda f, p=parameter, k=keep: make(f, p, k),
                           _CHIEF_WRITES)
         if getattr(api, api_name, None) is original:
-            _replace(api, api_name, getattr(module, name), _CHIEF_WRITES)
+            replace_attribute(api, api_name, getattr(module, name), _CHIEF_WRITES)
 
 
 def patch_checkpoint_write(make) -> None:
@@ -96,14 +96,14 @@ def patch_checkpoint_write(make) -> None:
     """
     import tensorflow as tf
 
-    _patch(tf.train.Checkpoint, "_write", make, _CHIEF_WRITES)
+    patch_attribute(tf.train.Checkpoint, "_write", make, _CHIEF_WRITES)
 
 
 def patch_checkpoint_manager_save(make) -> None:
     """Replaces ``tf.train.CheckpointManager.save`` (public) by ``make(original)``."""
     import tensorflow as tf
 
-    _patch(tf.train.CheckpointManager, "save", make, _CHIEF_WRITES)
+    patch_attribute(tf.train.CheckpointManager, "save", make, _CHIEF_WRITES)
 
 
 
@@ -121,7 +121,8 @@ def checkpoint_manager_state(manager) -> CheckpointManagerState:
     while the manager's bookkeeping keeps naming the chief's files, tfdp swaps these for one
     ``save()``. The public properties are read-only.
     """
-    return CheckpointManagerState(*(_get(manager, name, _CHIEF_WRITES) for name in _MANAGER_STATE))
+    return CheckpointManagerState(*(get_private(manager, name, _CHIEF_WRITES)
+                                    for name in _MANAGER_STATE))
 
 
 def set_checkpoint_manager_state(manager, state: CheckpointManagerState) -> None:
@@ -134,7 +135,7 @@ def patch_keras_callback(class_name: str, method: str, make) -> None:
     TensorBoard, CSVLogger, BackupAndRestore, CallbackList) by ``make(original)``."""
     import keras
 
-    _patch(getattr(keras.callbacks, class_name), method, make,
+    patch_attribute(getattr(keras.callbacks, class_name), method, make,
            "a Keras script on several workers (tfdp/strategy/chief_writes.py, tfdp/strategy/consensus.py)")
 
 
@@ -148,7 +149,8 @@ KERAS_BACKUP_PATH_ATTRIBUTES = ("backup_dir", "_weights_path", "_training_metada
 
 def keras_backup_paths(callback) -> dict:
     """``KERAS_BACKUP_PATH_ATTRIBUTES`` of a Keras BackupAndRestore, by name."""
-    return {name: _get(callback, name, _CHIEF_WRITES) for name in KERAS_BACKUP_PATH_ATTRIBUTES}
+    return {name: get_private(callback, name, _CHIEF_WRITES)
+            for name in KERAS_BACKUP_PATH_ATTRIBUTES}
 
 
 def keras_initial_epoch(model):
@@ -157,4 +159,5 @@ def keras_initial_epoch(model):
     Why: BackupAndRestore hands the restored epoch to ``fit`` only through this attribute;
     tfdp checks that every worker restored the same one.
     """
-    return _get(model, "_initial_epoch", "checking that every worker restored the same epoch")
+    return get_private(model, "_initial_epoch",
+                       "checking that every worker restored the same epoch")

@@ -11,7 +11,7 @@ them.
 
 from __future__ import annotations
 
-from tfdp._tf_private.core import _get, _patch
+from tfdp._tf_private.core import get_private, patch_attribute
 
 
 # --- The step function (xla.py) ------------------------------------------------------------
@@ -30,7 +30,7 @@ def patch_keras_auto_jit_compile(make) -> None:
     Keras would on one device (xla.resolve_auto_jit_compile). ``compile`` has no hook for it.
     """
     trainer, _ = _keras_trainer_classes()
-    _patch(trainer, "_resolve_auto_jit_compile", make, "jit_compile='auto' under tfdp")
+    patch_attribute(trainer, "_resolve_auto_jit_compile", make, "jit_compile='auto' under tfdp")
 
 
 def patch_keras_step_functions(make_train, make_test, make_predict=None) -> None:
@@ -44,17 +44,17 @@ def patch_keras_step_functions(make_train, make_test, make_predict=None) -> None
     forward gathers across workers). Keras has no public hook for the step function it builds.
     """
     _, tf_trainer = _keras_trainer_classes()
-    _patch(tf_trainer, "make_train_function", make_train, "tfdp's XLA train step")
-    _patch(tf_trainer, "make_test_function", make_test, "tfdp's XLA test step")
+    patch_attribute(tf_trainer, "make_train_function", make_train, "tfdp's XLA train step")
+    patch_attribute(tf_trainer, "make_test_function", make_test, "tfdp's XLA test step")
     if make_predict is not None:
-        _patch(tf_trainer, "make_predict_function", make_predict,
+        patch_attribute(tf_trainer, "make_predict_function", make_predict,
                "the step deadline of predict")
 
 
 def keras_make_step_function(model, step_function):
     """Keras's own wrapping of a per-replica step (strategy.run, output reduction, the
     steps_per_execution loop, tf.function). Why: only ``_make_function`` builds it."""
-    return _get(model, "_make_function", "building a step function")(step_function)
+    return get_private(model, "_make_function", "building a step function")(step_function)
 
 
 def keras_model_supports_jit(model) -> bool:
@@ -69,7 +69,7 @@ def keras_compute_loss(model, x, y, y_pred, sample_weight, training=True):
     """The loss exactly as Keras's train_step computes it (``compute_loss`` overrides with or
     without a ``training`` argument, regularisation losses). Why: only ``_compute_loss``
     handles both override signatures."""
-    return _get(model, "_compute_loss", "the train step's loss")(
+    return get_private(model, "_compute_loss", "the train step's loss")(
         x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
 
 
@@ -77,12 +77,12 @@ def keras_call_has_training_arg(model) -> bool:
     """Whether the model's ``call`` takes ``training`` (Keras's train_step passes it only
     then). Why: Keras records it in a private attribute; re-inspecting the signature could
     disagree with Keras for wrapped calls."""
-    return bool(_get(model, "_call_has_training_arg", "calling the model as Keras does"))
+    return bool(get_private(model, "_call_has_training_arg", "calling the model as Keras does"))
 
 
 def keras_loss_tracker(model):
     """The ``Mean`` metric behind the ``loss`` log. Why: no public getter."""
-    return _get(model, "_loss_tracker", "the loss metric")
+    return get_private(model, "_loss_tracker", "the loss metric")
 
 
 def unscale_loss_for_distribution(value):
@@ -149,7 +149,7 @@ def set_keras_initial_epoch(model, epoch: int) -> None:
     BackupAndRestore resumes through it); a callback cannot pass ``initial_epoch`` to a
     ``fit`` call already running, and no public setter exists.
     """
-    _get(model, "_initial_epoch", "resuming at an epoch")  # set by Keras's Trainer.__init__
+    get_private(model, "_initial_epoch", "resuming at an epoch")  # set by Keras's Trainer.__init__
     model._initial_epoch = int(epoch)  # noqa: SLF001
 
 
@@ -221,7 +221,7 @@ def patch_keras_symbolic_build(applies) -> None:
 
         return maybe_symbolic_build
 
-    _patch(tf_trainer, "_maybe_symbolic_build", make, "no iterator to build a built model")
+    patch_attribute(tf_trainer, "_maybe_symbolic_build", make, "no iterator to build a built model")
 
 
 # Why (epochs): with a dataset of known length and no ``steps_per_epoch``, Keras's epoch iterator
@@ -316,9 +316,9 @@ def patch_keras_epoch_iterators(applies) -> None:
 
         return get_iterator
 
-    _patch(EpochIterator, "_enumerate_iterator", make_enumerate,
+    patch_attribute(EpochIterator, "_enumerate_iterator", make_enumerate,
            "one distributed iterator per epoch")
-    _patch(TFEpochIterator, "_get_iterator", make_get_iterator,
+    patch_attribute(TFEpochIterator, "_get_iterator", make_get_iterator,
            "one distributed iterator per epoch")
 
 
@@ -332,4 +332,4 @@ def patch_keras_fit(make) -> None:
     dataset, not a validation or test pipeline built beside it.
     """
     _, tf_trainer = _keras_trainer_classes()
-    _patch(tf_trainer, "fit", make, "knowing the dataset fit trains on")
+    patch_attribute(tf_trainer, "fit", make, "knowing the dataset fit trains on")

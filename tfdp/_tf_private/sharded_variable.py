@@ -265,9 +265,9 @@ def patch_keras_layer_call(make) -> None:
     """
     from keras.src.layers.layer import Layer
 
-    from tfdp._tf_private.core import _patch
+    from tfdp._tf_private.core import patch_attribute
 
-    _patch(Layer, "__call__", make, "gathering sharded parameters per unit")
+    patch_attribute(Layer, "__call__", make, "gathering sharded parameters per unit")
 
 
 def own_trainable_variables(layer) -> list:
@@ -276,9 +276,9 @@ def own_trainable_variables(layer) -> list:
     Why: ``trainable_weights`` includes every sublayer's; a unit is the layer that owns the
     weights, and Keras keeps a layer's own in ``_trainable_variables`` (no public getter).
     """
-    from tfdp._tf_private.core import _get
+    from tfdp._tf_private.core import get_private
 
-    return list(_get(layer, "_trainable_variables", "a layer's own weights"))
+    return list(get_private(layer, "_trainable_variables", "a layer's own weights"))
 
 
 def in_keras_stateless_scope() -> bool:
