@@ -125,8 +125,8 @@ def fresh_rounds(before):
         shift = r % len(variants)
         for variant, tree in variants[shift:] + variants[:shift]:
             env = harness.child_env(*([tree] if tree else []))
-            argv = harness.command(__file__, f"--child={variant}",
-                                   *harness.forward(FLAGS, "dir", "files", "replicas", "global_batch"))
+            argv = harness.command(__file__, f"--child={variant}", *harness.forward(
+                FLAGS, "dir", "files", "replicas", "global_batch"))
             out = harness.run(argv, env=env, timeout=300, cwd="/" if tree else None)
             line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
             if out.returncode or not line:

@@ -44,7 +44,8 @@ def define_flags():
     flags.DEFINE_integer("batch", 256, "Global batch.")
     harness.define_flags(
         rounds=(3, "Interleaved rounds."), warmup=(3, "Untimed steps (tracing)."),
-        steps=(12, "Timed steps."), out=("docs/benchmarks/zero3_speed", "Output prefix ('' to skip)."),
+        steps=(12, "Timed steps."),
+        out=("docs/benchmarks/zero3_speed", "Output prefix ('' to skip)."),
         child="the configuration to run here.")
     flags.DEFINE_integer("child_replicas", 4, "Internal: local replicas of the child.")
 

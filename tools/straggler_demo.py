@@ -125,8 +125,8 @@ def run_job(evict):
     cmd = harness.command(__file__, f"--child={tmp}", f"--evict={evict}",
                           *harness.forward(FLAGS, "compute_ms", "window", "steps"),
                           workers=3, cpu_replicas=1, launcher=extra)
-    proc = subprocess.Popen(cmd, env=harness.child_env(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, env=harness.child_env(ROOT), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines, slow, slowed_at = [], None, None
     steps_file = os.path.join(tmp, "steps-0.txt")
 
