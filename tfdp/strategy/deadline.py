@@ -34,6 +34,12 @@ Keras's predict steps. Each call posts this worker's arrival (numbered per kind,
 every worker since all call them in the same order) and runs under the deadline; a call that
 fails, by the deadline or because a peer left, fails naming the worker(s) that never arrived
 and the fix.
+
+Rule for every place the workers meet outside a step (those two, and the first run of a step
+function): it goes through one ``Arrivals`` (its key in the coordination service, this worker's
+``arrive``, the deadline ``watch`` arms and disarms, ``missing``), and its error is built by
+``stall_message`` (what stalled on which worker, within which deadline or with which cause,
+who never arrived, the fix). A strategy is named in the keys by ``strategy_key``.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from tfdp import process_state
 
 __all__ = ["FIRST_STEP_FACTOR", "deadline_seconds", "overdue_message", "Watchdog", "watching",
            "variable_broadcast", "broadcast_overdue_message", "collective_outside_step",
-           "outside_step_message"]
+           "outside_step_message", "stall_message", "Arrivals", "strategy_key"]
 
 FIRST_STEP_FACTOR = 6
 
@@ -58,6 +64,40 @@ def deadline_seconds(timeout_seconds, first: bool):
     return float(timeout_seconds) * (FIRST_STEP_FACTOR if first else 1)
 
 
+def stall_message(what: str, seconds: float, rank: int, num_workers: int, missing, *,
+                  named: str, everyone: str, unknown: str, fix: str = "", context: str = "",
+                  cause: str = "") -> str:
+    """The error of a collective that did not finish: ``what`` on which worker, past which
+    deadline (or failed with ``cause``), ``context``, who did not arrive, ``fix``.
+
+    Args:
+        missing: the ranks that never arrived ([]: every worker did; None: unknown).
+        named: follows "Worker(s) 1, 2 " when some are missing.
+        everyone, unknown: the sentence when every worker arrived, and when it is unknown.
+        cause: the error the collective ended with ("" when the deadline ended it).
+    """
+    if cause:
+        head = f"tfdp: {what} on worker {rank} of {num_workers} failed ({cause}). "
+    else:
+        head = (f"tfdp: {what} on worker {rank} of {num_workers} did not finish within "
+                f"{seconds:g} s (DataParallelStrategy's timeout_seconds), so tfdp aborted its "
+                "collectives. ")
+    if missing:
+        who = f"Worker(s) {', '.join(map(str, missing))} {named}"
+    else:
+        who = everyone if missing is not None else unknown
+    return head + context + who + fix
+
+
+_RAISE_FOR_A_STEP = "If a step legitimately takes this long, raise timeout_seconds."
+_ONE_PROCESS_STALLED = ("One of this process's replicas never reached a collective the others "
+                        "wait in (a collective under a condition some replicas skip). ")
+_A_PEER_STALLED = ("Every peer is still alive (a dead or frozen one fails the step within about "
+                   "10 s instead), so one is not taking part: it is stuck outside the step (a "
+                   "callback, its input pipeline, a deadlock) or runs a different number of "
+                   "steps. The worker logs show which one is behind. ")
+
+
 def overdue_message(what: str, seconds: float, rank: int, num_workers: int,
                     missing=None) -> str:
     """The error of a step that ran past its deadline.
@@ -66,22 +106,15 @@ def overdue_message(what: str, seconds: float, rank: int, num_workers: int,
         missing: the ranks that never started this step function (known at its first run;
             None: unknown).
     """
-    head = (f"tfdp: {what} on worker {rank} of {num_workers} did not finish within {seconds:g} s "
-            "(DataParallelStrategy's timeout_seconds), so tfdp aborted its collectives. ")
-    if missing:
-        return head + (f"Worker(s) {', '.join(map(str, missing))} never started it: every "
-                       "worker must run it (an `if is_chief` around model.evaluate, predict or "
-                       "fit, or a worker stuck before it, leaves the others waiting). If a "
-                       "worker legitimately arrives this much later, raise timeout_seconds.")
-    if num_workers == 1:
-        return head + ("One of this process's replicas never reached a collective the others "
-                       "wait in (a collective under a condition some replicas skip). If a step "
-                       "legitimately takes this long, raise timeout_seconds.")
-    return head + ("Every peer is still alive (a dead or frozen one fails the step within about "
-                   "10 s instead), so one is not taking part: it is stuck outside the step (a "
-                   "callback, its input pipeline, a deadlock) or runs a different number of "
-                   "steps. The worker logs show which one is behind. If a step legitimately "
-                   "takes this long, raise timeout_seconds.")
+    # Each case carries its own fix: a late arrival and a long step ask for different words.
+    still_alive = (_ONE_PROCESS_STALLED if num_workers == 1 else _A_PEER_STALLED) + \
+        _RAISE_FOR_A_STEP
+    return stall_message(
+        what, seconds, rank, num_workers, missing, everyone=still_alive, unknown=still_alive,
+        named=("never started it: every worker must run it (an `if is_chief` around "
+               "model.evaluate, predict or fit, or a worker stuck before it, leaves the others "
+               "waiting). If a worker legitimately arrives this much later, raise "
+               "timeout_seconds."))
 
 
 class Watchdog:
@@ -161,6 +194,110 @@ def _abort_collectives(message):
 _watchdog = Watchdog(_abort_collectives)
 
 
+
+def strategy_key(strategy):
+    """The id that names ``strategy`` in coordination-service keys, or None.
+
+    Reads the base of the strategy's collective-key range, which DataParallelStrategy draws
+    from one process-wide counter at construction: the same on every worker (each builds its
+    strategies in one order) and different for each strategy of a process. Other strategies
+    have none.
+    """
+    # DataParallelStrategy keeps it private (``_tfdp_key_base``); read here, in one place, until
+    # it has a public accessor.
+    return getattr(strategy, "_tfdp_key_base", None)
+
+
+class Arrivals:
+    """Where the workers of ``strategy`` meet outside a step: this worker's arrival, posted in
+    the coordination service, and the deadline around the meeting (module docstring).
+
+    Args:
+        strategy: the strategy whose workers meet (its ``cluster``; ``strategy_key``).
+        kind, name: name the meeting in the service (``tfdp/{kind}/{strategy key}/{name}``).
+        numbered: the meeting recurs; each ``arrive`` takes the next number under its key,
+            the same on every worker since all meet in the same order.
+        prune: with ``numbered``, an arrival drops this worker's arrival two meetings back
+            (the service keeps what it is given; a peer at most one meeting behind still finds
+            the one before). For meetings as frequent as the calls that make them.
+    """
+
+    # A posted key answers at once; a read with a 1 ms timeout failed for posted ones on a
+    # loaded host (the chief named itself missing), so each missing one costs READ_SECONDS,
+    # within READ_BUDGET_SECONDS in all (ranks not read by then are not named).
+    READ_SECONDS = 1.0
+    READ_BUDGET_SECONDS = 10.0
+
+    def __init__(self, strategy, kind: str, name: str = "", numbered: bool = False,
+                 prune: bool = False):
+        self._cluster = strategy.cluster
+        self._postable = self._cluster.is_multi_worker and strategy_key(strategy) is not None
+        self._base = f"tfdp/{kind}/{strategy_key(strategy)}" + (f"/{name}" if name else "")
+        self._numbered, self._prune = numbered, prune
+        self.number = None  # set by arrive() when numbered
+        self.key = None if numbered else self._base
+        self._posted = False
+        self._watched = None  # (seconds, describe) while watch() runs
+
+    def arrive(self) -> None:
+        """Takes this meeting's number (when numbered) and posts this worker's arrival where
+        there is a coordination service to post it in."""
+        from tfdp import _tf_private
+
+        if self._numbered:
+            self.number = _next_call_number(self._base)
+            self.key = f"{self._base}/{self.number}"
+        if not (self._postable and _tf_private.coordination_service_configured()):
+            return
+        rank = self._cluster.rank
+        _tf_private.publish_to_coordination_service(f"{self.key}/{rank}", "1")
+        self._posted = True
+        if self._numbered and self._prune and self.number >= 2:
+            _tf_private.delete_from_coordination_service(
+                f"{self._base}/{self.number - 2}/{rank}")
+
+    def missing(self):
+        """The ranks whose arrival is not posted (None: this worker posted none, so unknown)."""
+        if not self._posted:
+            return None
+        from tfdp import _tf_private
+
+        missing, give_up = [], time.monotonic() + self.READ_BUDGET_SECONDS
+        for rank in range(self._cluster.num_workers):
+            left = give_up - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                _tf_private.read_from_coordination_service(f"{self.key}/{rank}",
+                                                           min(self.READ_SECONDS, left))
+            except Exception:  # noqa: BLE001  (tf.errors.OpError: not there, or the service is gone)
+                missing.append(rank)
+        return missing
+
+    @contextlib.contextmanager
+    def watch(self, seconds: float, describe):
+        """Arms the deadline for the ``with`` body: when it passes, the watchdog aborts the
+        collectives with ``message()``.
+
+        Args:
+            describe: ``describe(seconds, rank, num_workers, missing, **extra)`` is the error
+                (one of this module's message functions, its first argument bound).
+        """
+        self._watched = (seconds, describe)
+        token = _watchdog.arm(seconds, self.message)
+        try:
+            yield
+        finally:
+            _watchdog.disarm(token)
+
+    def message(self, **extra) -> str:
+        """The error of this meeting now, naming the workers that never arrived (called when
+        it is due: reading the arrivals takes up to READ_BUDGET_SECONDS)."""
+        seconds, describe = self._watched
+        return describe(seconds, self._cluster.rank, self._cluster.num_workers, self.missing(),
+                        **extra)
+
+
 @contextlib.contextmanager
 def watching(strategy, what: str, first: bool = False):
     """Arms the deadline of ``strategy`` (its ``timeout_seconds``) for the ``with`` body.
@@ -174,34 +311,16 @@ def watching(strategy, what: str, first: bool = False):
     if seconds is None:
         yield
         return
-    cluster = strategy.cluster
-    message = functools.partial(overdue_message, what, seconds, cluster.rank, cluster.num_workers)
-    if first and cluster.is_multi_worker and hasattr(strategy, "_tfdp_key_base"):
-        # The first run of a step function: each worker posts its arrival, so the error names
-        # the ones that never came (every worker builds its step functions in one order).
-        from tfdp import _tf_private
-
-        if _tf_private.coordination_service_configured():
-            base = f"tfdp/first-step/{strategy._tfdp_key_base}/{what}"  # noqa: SLF001
-            key = f"{base}/{_next_call_number(base)}"
-            _tf_private.publish_to_coordination_service(f"{key}/{cluster.rank}", "1")
-            message = functools.partial(_overdue_naming, what, seconds, cluster, key)
-    token = _watchdog.arm(seconds, message)
-    try:
+    meeting = Arrivals(strategy, "first-step", what, numbered=True)
+    if first:
+        # Later runs meet in the step's own collectives; only the first is worth a post (every
+        # worker builds its step functions in one order, so the numbers agree).
+        meeting.arrive()
+    with meeting.watch(seconds, functools.partial(overdue_message, what)):
         yield
-    finally:
-        _watchdog.disarm(token)
-
-
-def _overdue_naming(what, seconds, cluster, key):
-    return overdue_message(what, seconds, cluster.rank, cluster.num_workers,
-                           _missing_arrivals(key, cluster.num_workers))
 
 
 # --- the initial-value broadcast of a variable (outside any step) ---------------------------
-
-_ARRIVAL_KEY = "tfdp/first-variable"
-
 
 def broadcast_overdue_message(variable: str, seconds: float, rank: int, num_workers: int,
                               missing=None) -> str:
@@ -210,47 +329,21 @@ def broadcast_overdue_message(variable: str, seconds: float, rank: int, num_work
     Args:
         missing: the ranks that never reached the strategy's first variable (None: unknown).
     """
-    head = (f"tfdp: the initial-value broadcast of variable {variable!r} on worker {rank} of "
-            f"{num_workers} did not finish within {seconds:g} s (DataParallelStrategy's "
-            "timeout_seconds), so tfdp aborted its collectives. Each variable created in "
-            "strategy.scope() is a collective: the chief (worker 0) sends its initial value "
-            "and every other worker receives it, so every worker must create the same "
-            "variables in the same order. ")
-    if missing:
-        who = (f"Worker(s) {', '.join(map(str, missing))} never reached this strategy's first "
-               "variable: they are stuck before building the model (input preparation, a "
-               "download, a blocking call) or skip it (an `if is_chief` / `if rank == 0` "
-               "around building a model, optimizer or variable). ")
-    else:
-        who = ("Every worker reached this strategy's first variable, so one creates a variable "
-               "the others do not (an `if is_chief` / `if rank == 0` around creating a model, "
-               "optimizer, metric or variable inside strategy.scope()) or is stuck between two "
-               "variables. The worker logs show which one is behind. ")
-    return head + who + ("Build the same model on every worker; if a worker legitimately "
-                         "reaches it this much later, raise timeout_seconds.")
-
-
-def _missing_arrivals(key: str, num_workers: int, per_key_seconds: float = 1.0,
-                     budget_seconds: float = 10.0) -> list:
-    """The ranks whose arrival under ``key`` is not in the coordination service. A posted key
-    answers at once; a read with a 1 ms timeout failed for posted ones on a loaded host (the
-    chief named itself missing), so each missing one costs ``per_key_seconds``, within
-    ``budget_seconds`` in all (ranks not read by then are not named)."""
-    import time
-
-    from tfdp import _tf_private
-
-    missing, give_up = [], time.monotonic() + budget_seconds
-    for rank in range(num_workers):
-        left = give_up - time.monotonic()
-        if left <= 0:
-            break
-        try:
-            _tf_private.read_from_coordination_service(f"{key}/{rank}",
-                                                       min(per_key_seconds, left))
-        except Exception:  # noqa: BLE001  (tf.errors.OpError: not there, or the service is gone)
-            missing.append(rank)
-    return missing
+    everyone = ("Every worker reached this strategy's first variable, so one creates a "
+                "variable the others do not (an `if is_chief` / `if rank == 0` around creating a "
+                "model, optimizer, metric or variable inside strategy.scope()) or is stuck "
+                "between two variables. The worker logs show which one is behind. ")
+    return stall_message(
+        f"the initial-value broadcast of variable {variable!r}", seconds, rank, num_workers,
+        missing, everyone=everyone, unknown=everyone,
+        context=("Each variable created in strategy.scope() is a collective: the chief (worker "
+                 "0) sends its initial value and every other worker receives it, so every "
+                 "worker must create the same variables in the same order. "),
+        named=("never reached this strategy's first variable: they are stuck before building "
+               "the model (input preparation, a download, a blocking call) or skip it (an `if "
+               "is_chief` / `if rank == 0` around building a model, optimizer or variable). "),
+        fix=("Build the same model on every worker; if a worker legitimately reaches it this "
+             "much later, raise timeout_seconds."))
 
 
 @contextlib.contextmanager
@@ -269,23 +362,11 @@ def variable_broadcast(strategy, variable: str, first: bool):
     if cluster is None or not cluster.is_multi_worker or seconds is None:
         yield
         return
-    from tfdp import _tf_private
-
-    key = f"{_ARRIVAL_KEY}/{strategy._tfdp_key_base}"  # noqa: SLF001 (per strategy, same on all)
-    known = first and _tf_private.coordination_service_configured()
-    if known:
-        _tf_private.publish_to_coordination_service(f"{key}/{cluster.rank}", "1")
-
-    def message():
-        missing = _missing_arrivals(key, cluster.num_workers) if known else None
-        return broadcast_overdue_message(variable, seconds, cluster.rank, cluster.num_workers,
-                                         missing)
-
-    token = _watchdog.arm(seconds, message)
-    try:
+    meeting = Arrivals(strategy, "first-variable")
+    if first:
+        meeting.arrive()
+    with meeting.watch(seconds, functools.partial(broadcast_overdue_message, variable)):
         yield
-    finally:
-        _watchdog.disarm(token)
 
 
 # --- other collectives outside a step ------------------------------------------------------
@@ -299,20 +380,11 @@ def outside_step_message(what: str, seconds: float, rank: int, num_workers: int,
         fix: what the user should do, for this kind of collective.
         cause: the error the collective ended with ("" when the deadline ended it).
     """
-    if cause:
-        head = (f"tfdp: {what} on worker {rank} of {num_workers} failed ({cause}). ")
-    else:
-        head = (f"tfdp: {what} on worker {rank} of {num_workers} did not finish within "
-                f"{seconds:g} s (DataParallelStrategy's timeout_seconds), so tfdp aborted its "
-                "collectives. ")
-    if missing:
-        who = (f"Worker(s) {', '.join(map(str, missing))} never arrived at it: every worker "
-               "must make this call, in the same order. ")
-    elif missing is not None:
-        who = "Every worker arrived at it; one is stuck or slower than the deadline. "
-    else:
-        who = "The worker logs show which one is behind. "
-    return head + who + fix
+    return stall_message(
+        what, seconds, rank, num_workers, missing, fix=fix, cause=cause,
+        named="never arrived at it: every worker must make this call, in the same order. ",
+        everyone="Every worker arrived at it; one is stuck or slower than the deadline. ",
+        unknown="The worker logs show which one is behind. ")
 
 
 _outside_counts: dict = {}
@@ -348,34 +420,18 @@ def collective_outside_step(strategy, what: str, fix: str, kind: str | None = No
         return
     import tensorflow as tf
 
-    from tfdp import _tf_private
-
-    base = f"tfdp/outside/{strategy._tfdp_key_base}/{kind or what}"  # noqa: SLF001
-    number = _next_call_number(base)
-    seconds = deadline_seconds(strategy.timeout_seconds, number == 0 if first is None else first)
-    key = f"{base}/{number}"
-    known = _tf_private.coordination_service_configured()
-    if known:
-        _tf_private.publish_to_coordination_service(f"{key}/{cluster.rank}", "1")
-        if number >= 2:
-            # The service keeps what it is given: drop this worker's arrival two calls back
-            # (a peer at most one call ahead still finds the one before).
-            _tf_private.delete_from_coordination_service(f"{base}/{number - 2}/{cluster.rank}")
-
-    def message(cause=""):
-        missing = _missing_arrivals(key, cluster.num_workers) if known else None
-        return outside_step_message(what, seconds, cluster.rank, cluster.num_workers, missing,
-                                    fix, cause)
-
-    token = _watchdog.arm(seconds, message)
-    try:
-        yield
-    except tf.errors.OpError as e:
-        if "tfdp:" in (e.message or ""):
-            raise  # the deadline's own message
-        raise type(e)(e.node_def, e.op, message(f"{type(e).__name__}: {e.message}")) from e
-    finally:
-        _watchdog.disarm(token)
+    meeting = Arrivals(strategy, "outside", kind or what, numbered=True, prune=True)
+    meeting.arrive()
+    seconds = deadline_seconds(strategy.timeout_seconds,
+                               meeting.number == 0 if first is None else first)
+    with meeting.watch(seconds, functools.partial(outside_step_message, what, fix=fix)):
+        try:
+            yield
+        except tf.errors.OpError as e:
+            if "tfdp:" in (e.message or ""):
+                raise  # the deadline's own message
+            raise type(e)(e.node_def, e.op,
+                          meeting.message(cause=f"{type(e).__name__}: {e.message}")) from e
 
 
 def _stop_watching() -> None:
