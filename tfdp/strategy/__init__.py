@@ -16,9 +16,12 @@
 * ``randomness``: each replica draws what one device draws for its rows of the global batch.
 * ``lifecycle``: the worker's side of the launcher protocol (ready files, SIGTERM, leaving
   together at exit).
-* ``sharded_parameters``, ``sharded_units``, ``whole_reads``: ZeRO-3 (the partition rule and
-  what a read is; units gathered per layer; whole-tensor reads on several workers, led by the
-  chief).
+* ``zero3``: ZeRO-3, a package of one rule per module (its ``__init__`` states them): ``config``
+  (the settings), ``partition`` (the partition rule, pure), ``layout`` and ``gradients`` (what a
+  read is), ``parameters`` (creation), ``optimizer`` (updates, clipping), ``units`` and
+  ``units_xla`` (units gathered per layer), ``whole_reads`` (whole-tensor reads on several
+  workers, led by the chief). ``sharded_parameters``, ``sharded_units`` and ``whole_reads``
+  here are its names of before, kept as re-exports.
 * ``keras_integration``: the one entry that installs (and uninstalls) tfdp's Keras patches.
 * ``chief_writes``, ``consensus``: what those patches do for stock Keras saving, callbacks and
   decisions on several workers.

@@ -48,12 +48,17 @@ import tensorflow as tf
 from tfdp import _tf_private, said_once
 from tfdp.cluster import ClusterConfig
 from tfdp.strategy import (collectives, deadline, keras_integration, lifecycle, randomness,
-                           riders, sharded_parameters, sharded_units, source_pipeline)
+                           riders, source_pipeline)
 from tfdp.strategy import devices as devices_lib
 from tfdp.strategy.options import (DEFAULT_BUCKET_BYTES, DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS,
                                    check_compression, describe_shared_gpu, jit_compile_error,
                                    resolve_communication, resolve_options)
 from tfdp.strategy.wire import reduce_dtype
+from tfdp.strategy.zero3 import layout as zero3_layout
+from tfdp.strategy.zero3 import optimizer as zero3_optimizer
+from tfdp.strategy.zero3 import parameters as zero3_parameters
+from tfdp.strategy.zero3 import partition as zero3_partition
+from tfdp.strategy.zero3.config import Zero3Config
 
 __all__ = ["DataParallelStrategy"]
 
@@ -97,16 +102,18 @@ class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
     """
 
     def __init__(self, container, cluster_resolver, options, local_device_type,
-                 local_device_indices):
+                 local_device_indices, zero3: Zero3Config):
         self._tfdp_device_type = local_device_type
         # The device type whose collective dtype limits apply (wire.reduce_dtype).
         self._tfdp_reduce_device_type = local_device_type
         self._tfdp_device_indices = list(local_device_indices)
-        # None: every variable mirrored; else shard_parameters=True with this threshold.
-        self._tfdp_shard_min_elements = None
-        # With shard_parameters=True: None (the size rule above), or a function of the
-        # creator's kwargs -> True (shard this parameter) / False (mirror it), set by
-        # keras.distribution's ModelParallel (tfdp.keras_distribution: its layout map).
+        # ZeRO-3's settings (zero3/config.py), and the one traced function that reads this
+        # strategy's sharded variables whole on several workers.
+        self._tfdp_zero3 = zero3
+        self._tfdp_whole_gather = zero3_parameters.WholeGather()
+        # With shard_parameters=True: None (the partition rule's size threshold), or a
+        # function of the creator's kwargs -> True (shard this parameter) / False (mirror it),
+        # set by keras.distribution's ModelParallel (tfdp.keras_distribution: its layout map).
         self._tfdp_shard_rule = None
         # Issue 40: a second strategy in a process (or Horovod's engine, built after the
         # context started) must not re-apply the server definition: TensorFlow would replace
@@ -139,17 +146,18 @@ class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
         if (kwargs.get("aggregation") == tf.VariableAggregation.ONLY_FIRST_REPLICA
                 and kwargs.get("synchronization") != tf.VariableSynchronization.ON_READ):
             kwargs["aggregation"] = tf.VariableAggregation.NONE
-        if self._tfdp_shard_min_elements is not None:
-            # shard_parameters=True: sharded_parameters.create decides (its partition rule)
-            # and evaluates the initial value once; a variable it does not shard is mirrored
-            # from that value.
-            min_elements = self._tfdp_shard_min_elements
+        if self._tfdp_zero3.enabled:
+            # zero3.parameters.create decides (the partition rule) and evaluates the initial
+            # value once; a variable it does not shard is mirrored from that value.
+            layout_shards = None
             if self._tfdp_shard_rule is not None and kwargs.get("colocate_with") is None:
-                # A parameter (optimizer state, colocated, follows its parameter): the rule
-                # decides; 0 makes the partition rule shard any trainable float variable.
-                min_elements = 0 if self._tfdp_shard_rule(kwargs) else None
-            sharded = (None if min_elements is None else
-                       sharded_parameters.create(self, next_creator, min_elements, kwargs))
+                # A parameter (optimizer state, colocated, follows its parameter): the
+                # layout map decides.
+                layout_shards = bool(self._tfdp_shard_rule(kwargs))
+            min_elements = zero3_partition.size_threshold(self._tfdp_zero3.shard_min_elements,
+                                                          layout_shards)
+            sharded = (None if min_elements is None else zero3_parameters.create(
+                self, next_creator, min_elements, kwargs, self._tfdp_whole_gather))
             if sharded is not None:
                 return sharded
         # Issue 40: on several workers creating a variable is a collective outside any step
@@ -162,10 +170,10 @@ class _DataParallelExtended(_tf_private.CollectiveAllReduceExtended):
 
     def _replica_ctx_update(self, var, fn, args, kwargs, group):
         # shard_parameters=True: a replica updates its slices one variable at a time, so the
-        # optimizer's temporaries exist for one slice at a time (sharded_parameters.py).
-        if self._tfdp_shard_min_elements is None or not sharded_parameters.is_sharded(var):
+        # optimizer's temporaries exist for one slice at a time (zero3/optimizer.py).
+        if not self._tfdp_zero3.enabled or not zero3_layout.is_sharded(var):
             return super()._replica_ctx_update(var, fn, args, kwargs, group)
-        with sharded_parameters.one_update_at_a_time():
+        with zero3_optimizer.one_update_at_a_time():
             return super()._replica_ctx_update(var, fn, args, kwargs, group)
 
     def _reduce_to(self, reduce_op, value, destinations, options):
@@ -240,7 +248,7 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             made for them; a replica's forward pass all-gathers a parameter and its backward
             pass reduce-scatters the gradient. Training equals one device;
             ``get_weights``/``model.save``/checkpoints see whole tensors. See
-            tfdp/strategy/sharded_parameters.py and docs/zero.md.
+            tfdp/strategy/zero3/ and docs/zero.md.
         shard_min_elements: with ``shard_parameters=True``, variables smaller than this stay
             mirrored (biases, norms; default 16,384 elements).
         reshard_after_forward: with ``shard_parameters=True``: ``True`` (default) frees a
@@ -248,7 +256,7 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             backward pass (recomputing the unit), so a replica holds about two units'
             parameters at a time; ``False`` keeps them from the forward pass to the backward
             pass (no recomputation, the whole model gathered at the peak). See
-            tfdp/strategy/sharded_units.py.
+            tfdp/strategy/zero3/units.py.
         unit_layers: layer classes (or class names) whose instances gather their parameters
             as one unit, e.g. ``(TransformerBlock,)``; by default every layer owning sharded
             weights is a unit.
@@ -260,18 +268,9 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
                  compression=None, timeout_seconds=None, cluster=None, cluster_resolver=None,
                  random_draws="as_one_device", shard_parameters=False,
                  shard_min_elements=None, reshard_after_forward=True, unit_layers=None):
-        if not isinstance(shard_parameters, bool):
-            raise ValueError(f"shard_parameters={shard_parameters!r} must be True or False.")
-        if shard_min_elements is None:
-            shard_min_elements = sharded_parameters.DEFAULT_SHARD_MIN_ELEMENTS
-        if (isinstance(shard_min_elements, bool) or not isinstance(shard_min_elements, int)
-                or shard_min_elements < 0):
-            raise ValueError(f"shard_min_elements={shard_min_elements!r} must be an integer "
-                             ">= 0 (0 shards every trainable floating-point variable).")
-        if not isinstance(reshard_after_forward, bool):
-            raise ValueError(f"reshard_after_forward={reshard_after_forward!r} must be True or "
-                             "False.")
-        unit_layers = sharded_units.resolve_unit_layers(unit_layers)
+        zero3 = Zero3Config(shard_parameters=shard_parameters,
+                            shard_min_elements=shard_min_elements,
+                            reshard_after_forward=reshard_after_forward, unit_layers=unit_layers)
         cluster = _resolve_cluster(cluster, cluster_resolver)
         options = resolve_options(communication=communication, bucket_bytes=bucket_bytes,
                                   compression=compression, timeout_seconds=timeout_seconds,
@@ -296,6 +295,7 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         self._tfdp_compression = options.compression
         self._tfdp_timeout = options.timeout_seconds
         self._tfdp_random_draws = options.random_draws
+        self._tfdp_zero3 = zero3
         self._tfdp_key_base = next(_key_bases) * _KEY_RANGE
         _tf_private.set_collective_key_base(self, self._tfdp_key_base)
 
@@ -305,12 +305,8 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         # TF_CONFIG; the base Strategy constructor takes ours.
         _tf_private.StrategyBase.__init__(
             self, _DataParallelExtended(self, _cluster_resolver(cluster),
-                                        self._communication_options(), device_type, indices))
-        self._tfdp_shard_parameters = shard_parameters
-        self._tfdp_reshard_after_forward = reshard_after_forward
-        self._tfdp_unit_layers = unit_layers
-        if shard_parameters:
-            self.extended._tfdp_shard_min_elements = shard_min_elements
+                                        self._communication_options(), device_type, indices,
+                                        zero3))
         if cluster.is_multi_worker:
             lifecycle.take_back_sigterm()
         lifecycle.announce_joined(cluster)
@@ -345,11 +341,11 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     bucket_bytes = property(lambda self: self._tfdp_bucket_bytes, doc="Gradient bucket bytes.")
     compression = property(lambda self: self._tfdp_compression, doc="Wire dtype, or None.")
     timeout_seconds = property(lambda self: self._tfdp_timeout, doc="The step deadline, or None.")
-    shard_parameters = property(lambda self: self._tfdp_shard_parameters,
+    shard_parameters = property(lambda self: self._tfdp_zero3.shard_parameters,
                                 doc="True: parameters sharded over replicas (ZeRO-3).")
-    reshard_after_forward = property(lambda self: self._tfdp_reshard_after_forward,
+    reshard_after_forward = property(lambda self: self._tfdp_zero3.reshard_after_forward,
                                      doc="ZeRO-3: gather a unit's parameters again in backward.")
-    unit_layers = property(lambda self: self._tfdp_unit_layers,
+    unit_layers = property(lambda self: self._tfdp_zero3.unit_layers,
                            doc="ZeRO-3: layer classes gathered as one unit each.")
     random_draws = property(lambda self: self._tfdp_random_draws,
                             doc="'as_one_device' or 'independent' (strategy/randomness.py).")

@@ -14,8 +14,9 @@ import tensorflow as tf
 
 from tfdp import _tf_private
 from tfdp.strategy import collectives, is_data_parallel
+from tfdp.strategy.zero3 import optimizer as zero3_optimizer
 
-__all__ = ["install", "SHARDED_HOOKS"]
+__all__ = ["install"]
 
 
 def _tfdp_strategy_in_replica_context(optimizer):
@@ -26,10 +27,6 @@ def _tfdp_strategy_in_replica_context(optimizer):
     if ctx is None or ctx.strategy is not strategy:
         return None
     return strategy
-
-
-# ZeRO-3's clip_gradients and check_optimizer, registered by sharded_parameters on import.
-SHARDED_HOOKS: dict = {}
 
 
 def _build_outside_the_step(optimizer, strategy, variables):
@@ -75,16 +72,16 @@ def install():
             grads = list(grads)
             for i, g in zip(mirrored, reduced):
                 grads[i] = g
-            return SHARDED_HOOKS["clip_gradients"](self, grads, variables, original_clip)
+            return zero3_optimizer.clip_gradients(self, grads, variables, original_clip)
         return _clip_gradients
 
     def make_apply_gradients(original_apply):
         def _backend_apply_gradients(self, grads, trainable_variables):
             if (_tfdp_strategy_in_replica_context(self) is not None
                     and any(_tf_private.is_sharded_variable(v) for v in trainable_variables)):
-                SHARDED_HOOKS["check_optimizer"](self)
+                zero3_optimizer.check_optimizer(self)
                 # Last layers first: backprop produces their gradients first, and with
-                # sharded variables updated one at a time (sharded_parameters.py) each update
+                # sharded variables updated one at a time (zero3/optimizer.py) each update
                 # then runs, and frees its gradient, while backprop goes on. Keras finds a
                 # variable's state by key, so the order changes no result.
                 grads, trainable_variables = list(grads)[::-1], list(trainable_variables)[::-1]

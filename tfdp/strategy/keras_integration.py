@@ -12,8 +12,8 @@ forgets the job, so a later strategy installs afresh. What it installs:
    clipping (``clipnorm``/``global_clipnorm`` act on the global gradient, as on one device),
    and a ``LossScaleOptimizer`` skips a step on every replica when any replica overflows.
    With ``shard_parameters=True``, Keras's EMA update writes slices of the averages
-   (``sharded_parameters.install_keras_hooks``), and each unit's layer call gathers its
-   parameters again in the backward pass (``sharded_units.install_keras_hooks``).
+   (``zero3.optimizer.install_moving_average_hook``), and each unit's layer call gathers its
+   parameters again in the backward pass (``zero3.units.install_keras_hooks``).
 2. XLA (``xla.install_keras_hooks``): ``jit_compile="auto"`` resolves as on one device, and
    ``jit_compile=True`` compiles each replica's part of the step.
 3. Random draws (``randomness.install_keras_hooks``): inside a tfdp replica function, Keras's
@@ -49,7 +49,9 @@ import inspect
 
 from tfdp import _tf_private
 from tfdp.strategy import (chief_writes, consensus, gradient_hooks, is_data_parallel,
-                           randomness, sharded_parameters, sharded_units, xla)
+                           randomness, xla)
+from tfdp.strategy.zero3 import optimizer as zero3_optimizer
+from tfdp.strategy.zero3 import units as zero3_units
 from tfdp import process_state
 
 __all__ = ["install", "uninstall", "installed", "install_fit_input", "fit_input", "at_fit_exit",
@@ -79,8 +81,8 @@ def _install_epoch_iterators():
 # strategy adds its own with ``add_feature`` (ShardedOptimizer: "loss_scale_saving").
 FEATURES = {
     "gradients": lambda: gradient_hooks.install(),
-    "zero3_moving_average": lambda: sharded_parameters.install_keras_hooks(),
-    "zero3_units": lambda: sharded_units.install_keras_hooks(),
+    "zero3_moving_average": lambda: zero3_optimizer.install_moving_average_hook(),
+    "zero3_units": lambda: zero3_units.install_keras_hooks(),
     "xla": lambda: xla.install_keras_hooks(),
     "random_draws": lambda: randomness.install_keras_hooks(),
     "fit_input": lambda: install_fit_input(),

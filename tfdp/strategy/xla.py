@@ -18,7 +18,7 @@ than one replica in sync, a training step is split in two, inside every replica:
 With ``shard_parameters=True`` (ZeRO-3, ``reshard_after_forward=True``) the step is not split:
 compiling the forward/backward whole would take every gathered parameter as an argument at
 once. Instead each ZeRO-3 unit is compiled on its own, its gathers and reduce-scatters
-between the programs (plan ``"units"``, tfdp/strategy/sharded_units.py); the rest of the
+between the programs (plan ``"units"``, tfdp/strategy/zero3/units_xla.py); the rest of the
 step runs without XLA (said once). ``reshard_after_forward=False`` keeps every gathered
 parameter to the backward pass by definition and keeps the split step.
 
@@ -44,8 +44,12 @@ import keras
 import tensorflow as tf
 
 from tfdp import _tf_private, said_once
-from tfdp.strategy import (collectives, deadline, is_data_parallel, riders, sharded_parameters,
-                           sharded_units, sparse_gradients, timing)
+from tfdp.strategy import (collectives, deadline, is_data_parallel, riders, sparse_gradients,
+                           timing)
+from tfdp.strategy.zero3 import gradients as zero3_gradients
+from tfdp.strategy.zero3 import layout as zero3_layout
+from tfdp.strategy.zero3 import units_xla as zero3_units_xla
+from tfdp.strategy.zero3.config import config_of as zero3_config_of
 
 __all__ = ["compile_gradients", "CompiledGradients", "compiled_train_step",
            "resolve_auto_jit_compile", "step_plan", "rides_metrics", "install_keras_hooks",
@@ -163,8 +167,8 @@ class CompiledGradients:
                 variable.assign(new)
         # shard_parameters=True: the compiled function took gathered parameters (gathered
         # by _read, outside XLA); their gradients are reduce-scattered outside it too.
-        return out, [sharded_parameters.slice_gradient(v, g)
-                     if g is not None and sharded_parameters.is_sharded(v) else g
+        return out, [zero3_gradients.slice_gradient(v, g)
+                     if g is not None and zero3_layout.is_sharded(v) else g
                      for v, g in zip(self.variables, grads)]
 
 
@@ -371,7 +375,7 @@ def _units_step(model, kind, ride_logs):
                  "XLA.", type(model).__name__, kind)
 
     def step(data):
-        sharded_units.compile_units_here()
+        zero3_units_xla.compile_units_here()
         return inner(data)
 
     return step
@@ -467,8 +471,7 @@ def _build_step(model, kind, original, strategy):
     """The step function Keras (plan "keras") or tfdp's XLA split builds; returns it."""
     attribute = f"{kind}_function"
     keras_step = _keras_step(model, f"{kind}_step")
-    units = (bool(getattr(strategy, "shard_parameters", False))
-             and getattr(strategy, "reshard_after_forward", True))
+    units = zero3_config_of(strategy).gathers_per_unit
     plan = step_plan(bool(model.jit_compile), strategy.num_replicas_in_sync, keras_step, units)
     ride_logs = rides_metrics(kind, _tf_private.extended_num_workers(strategy.extended),
                               keras_step)

@@ -1,0 +1,147 @@
+"""ZeRO-3's units under XLA: each unit its own program, its collectives outside it.
+
+Rule. In a step traced under XLA (``jit_compile=True``, or tfdp's default on GPUs; xla.py's
+plan ``"units"`` calls ``compile_units_here``) each unit (units.py) is compiled on its own:
+its gathers and reduce-scatters run outside XLA, between the units, and one XLA program per
+unit computes its forward pass (and, differentiated, the recomputation of its backward pass)
+from the gathered parameters passed in as arguments (``CompiledUnit``). So a replica holds
+what it holds without XLA (its slices, about two units' gathered parameters, one unit's whole
+gradient), where compiling the whole step would take every gathered parameter as an argument
+at once (2.85x the theory's memory on a GPU, docs/zero.md). Why per unit: XLA cannot compile
+collectives across CPU replicas or across several GPUs of one process, and a program cannot
+free its arguments before it ends. What lies outside every unit (the loss, metrics, layers
+without sharded weights or that are not pure) runs without XLA; tfdp says so once. A unit
+called on integer ids, on a masked input, or with an activity regularizer runs uncompiled
+(``compilable``).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import keras
+import tensorflow as tf
+
+from tfdp import _tf_private, said_once
+from tfdp.strategy.zero3 import gradients
+
+__all__ = ["compile_units_here", "compiles_units", "compilable", "CompiledUnit"]
+
+log = logging.getLogger("tfdp")
+
+# The step graphs whose units are compiled (a train or test step traced under XLA, xla.py):
+# each replica traces its part of the step in a thread of its own, into the same graph.
+_compiling_graphs = weakref.WeakSet()
+
+# layer -> {the call's static part: its XLA-compiled call}: every replica's trace of a unit
+# (and its backward recomputation) calls one tf.function, traced once.
+_compiled_calls = weakref.WeakKeyDictionary()
+
+
+def compile_units_here():
+    """Units traced from now on into the current graph (a step being traced) are compiled by
+    XLA, each on its own (see the module's rule)."""
+    _compiling_graphs.add(tf.compat.v1.get_default_graph())
+
+
+def compiles_units() -> bool:
+    """Whether units traced into the current graph are compiled."""
+    return tf.compat.v1.get_default_graph() in _compiling_graphs
+
+
+def _static_key(args, kwargs, flat, positions):
+    """What a compiled call is traced for besides its tensors' types: where every argument
+    sits in the call's structure (``f(x, mask=m)`` is not ``f(x, m)``) and the value of each
+    non-tensor one. None where one cannot be hashed: no sharing between calls.
+
+    Args:
+        args: the call's positional arguments.
+        kwargs: its keyword arguments.
+        flat: ``tf.nest.flatten((args, kwargs))``.
+        positions: the indices of ``flat`` that are tensors.
+    """
+    structure = repr(tf.nest.map_structure(lambda _: 0, (args, kwargs)))
+    try:
+        key = (structure, tuple((i, v) for i, v in enumerate(flat) if i not in positions))
+        hash(key)
+        return key
+    except TypeError:
+        return None
+
+
+def compilable(layer, tensors) -> bool:
+    """Whether a unit's call can run as its own XLA program: not where an input carries a
+    Keras mask (a traced function's arguments do not), the layer adds an activity
+    regularizer's loss (a stateless scope keeps no losses) or an input is integer (ids: an
+    Embedding's lookup, whose gradient is sparse rows; a compiled program returns them without
+    the graph that tells per-example lookups from lookups shared by the batch, so they could
+    not be reduced as one device has them, sparse_gradients.py); those run uncompiled (said
+    once).
+
+    Args:
+        layer: the unit's layer.
+        tensors: the call's tensor inputs.
+    """
+    masked = any(getattr(t, "_keras_mask", None) is not None for t in tensors)
+    ids = any(t.dtype.is_integer for t in tensors)
+    if not masked and not ids and getattr(layer, "activity_regularizer", None) is None:
+        return True
+    if said_once.first_time("uncompiled_unit", type(layer).__name__):
+        log.info("tfdp: ZeRO-3 under XLA: %s runs uncompiled (%s).", type(layer).__name__,
+                 "an input carries a Keras mask" if masked
+                 else "it is called on integer ids: a lookup, whose gradient is sparse" if ids
+                 else "it has an activity regularizer")
+    return False
+
+
+def _distinct(variables) -> list:
+    out = []  # each once, also when a layer lists a shared variable twice
+    for variable in variables:
+        if all(variable is not w for w in out):
+            out.append(variable)
+    return out
+
+
+class CompiledUnit(object):
+    """A unit's forward pass as one XLA program: ``self(tensors, slice_values)`` gathers the
+    slices (outside XLA; the gather's gradient is the reduce-scatter) and reads the unit's
+    other weights, then calls the program, which computes the layer from them (it reads no
+    variable: a ``keras.StatelessScope`` maps each weight to its value).
+
+    Args:
+        unit: the units.Unit being called (its layer, call and sharded containers).
+    """
+
+    def __init__(self, unit):
+        self.weights = _distinct(unit.layer.trainable_variables)
+        sharded = {id(c): i for i, c in enumerate(unit.containers)}
+        # For each weight: the index of its slice among the unit's, or None (not sharded).
+        self.owner = [sharded.get(id(_tf_private.sharded_container(w))) for w in self.weights]
+        self.specs = list(unit.specs)
+        self.function = self._function_for(unit)
+
+    def _function_for(self, unit):
+        """The layer's compiled call for this call's static part (shared by every replica's
+        trace and the backward recomputation)."""
+        key = _static_key(unit.args, unit.kwargs, unit.flat, unit.positions)
+        calls = _compiled_calls.setdefault(unit.layer, {})
+        function = calls.get(key) if key is not None else None
+        if function is None:
+            weights = self.weights
+
+            def compute(tensors, weight_values):
+                reads = keras.StatelessScope(state_mapping=list(zip(weights, weight_values)))
+                return unit.call_inside(tensors, reads)
+
+            function = tf.function(compute, jit_compile=True, autograph=False)
+            if key is not None:
+                calls[key] = function
+        return function
+
+    def __call__(self, tensors, slice_values):
+        weight_values = [
+            tf.convert_to_tensor(w.value) if i is None
+            else gradients.gather_slice(slice_values[i], self.specs[i])
+            for w, i in zip(self.weights, self.owner)]
+        return self.function(list(tensors), weight_values)
