@@ -56,6 +56,13 @@ Environment variables the user may set
                                SIGTERM, plus SIGUSR1,SIGUSR2 inside a Slurm job
                                (tfdp.resilience.preemption).
 
+Directories
+    ``tfdp-run-*``             ``JOB_DIR_PREFIX``: the job's directory tfdp-run makes (and
+                               removes when the job ends) on its machine; every local attempt's
+                               ``TFDP_CONTROL_DIR`` is made inside it, so a worker whose control
+                               directory's parent is one knows it has the job's directory
+                               (``hvd.elastic`` commits there).
+
 Control files, under ``TFDP_CONTROL_DIR`` (fresh for every attempt)
     ``step-{rank}``            written by a worker after its first completed training step of
                                the attempt; a slot that fails before any exists "could not come
@@ -89,7 +96,7 @@ import signal
 __all__ = [
     "READY_FILE_ENV", "RANK_ENV", "SLOT_ENV", "ATTEMPT_ENV", "CONTROL_DIR_ENV",
     "MIN_WORKERS_ENV", "RESTARTS_LEFT_ENV", "GRACE_ENV", "CPU_REPLICAS_ENV", "ORDERLY_EXIT_ENV",
-    "EVICT_FILE", "progress_file", "DEFAULT_GRACE_SECONDS", "PORT_BASE_ENV",
+    "EVICT_FILE", "JOB_DIR_PREFIX", "progress_file", "DEFAULT_GRACE_SECONDS", "PORT_BASE_ENV",
     "EVICT_EXIT_CODE_ENV", "PREEMPTION_SIGNALS_ENV", "ELASTIC_DIR_ENV", "COMPILE_CACHE_ENV",
     "COMPILE_CACHE_MAX_MB_ENV", "default_compile_cache_dir", "restart_requested_exit_code",
     "EXIT_RESTART_REQUESTED", "EXIT_TIMEOUT", "EXIT_NEVER_JOINED", "EXIT_CANNOT_START",
@@ -115,6 +122,7 @@ COMPILE_CACHE_ENV = "TFDP_COMPILE_CACHE"
 COMPILE_CACHE_MAX_MB_ENV = "TFDP_COMPILE_CACHE_MAX_MB"
 
 EVICT_FILE = "evict.json"
+JOB_DIR_PREFIX = "tfdp-run-"
 
 # Kubernetes' default terminationGracePeriodSeconds.
 DEFAULT_GRACE_SECONDS = 30.0

@@ -138,7 +138,9 @@ def is_initialized() -> bool:
     return state.placement is not None
 
 
-def _placement() -> Placement:
+def initialized_placement() -> Placement:
+    """This process's place in the job; ValueError (Horovod's message) before ``hvd.init()``,
+    so a call that needs ``init`` first fails as Horovod's does."""
     p = state.placement
     if p is None:
         raise ValueError(NOT_INITIALIZED)
@@ -148,7 +150,7 @@ def _placement() -> Placement:
 def _query(name: str, field: str, doc: str):
     """``hvd.<name>()``: this process's ``Placement.<field>`` (ValueError before ``init``)."""
     def query():
-        return getattr(_placement(), field)
+        return getattr(initialized_placement(), field)
 
     query.__name__ = query.__qualname__ = name
     query.__doc__ = doc
@@ -168,7 +170,7 @@ is_homogeneous = _query("is_homogeneous", "homogeneous",
 # Build queries, answered honestly: tfdp uses TensorFlow's collective runtime (gRPC ring
 # collectives, NCCL on GPUs), never MPI, Gloo, DDL or oneCCL.
 def mpi_threads_supported() -> bool:
-    _placement()
+    initialized_placement()
     return False
 
 
@@ -202,7 +204,7 @@ def nccl_built() -> bool:
 def engine():
     """The collective engine (a ``tfdp.DataParallelStrategy`` over one local device), built
     at the first call, after ``init()``."""
-    _placement()
+    initialized_placement()
     if state.strategy is not None:
         return state.strategy
     with state.lock:

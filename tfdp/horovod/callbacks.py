@@ -31,20 +31,6 @@ __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
            "LearningRateScheduleCallback", "LearningRateWarmupCallback"]
 
 
-
-def _model_variables(model):
-    variables = list(model.variables)
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None:
-        variables += list(optimizer.variables)
-    seen, unique = set(), []
-    for v in variables:
-        if id(v) not in seen:
-            seen.add(id(v))
-            unique.append(v)
-    return unique
-
-
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Makes every rank start from ``root_rank``'s weights and optimizer state."""
 
@@ -54,7 +40,9 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.broadcast_done = False
 
     def _broadcast(self):
-        collectives.broadcast_variables(_model_variables(self.model), self.root_rank)
+        variables = collectives.model_and_optimizer_variables(
+            self.model, getattr(self.model, "optimizer", None))
+        collectives.broadcast_variables(variables, self.root_rank)
         self.broadcast_done = True
 
     def on_train_begin(self, logs=None):

@@ -95,13 +95,18 @@ class Compression:
     fp16 = FP16Compressor
 
 
-def _check_process_set(process_set):
+def check_process_set(process_set):
+    """NotImplementedError unless ``process_set`` is None or the global set (every
+    collective, and DistributedOptimizer, spans all ranks)."""
     if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
         raise NotImplementedError("tfdp.horovod: process sets are not supported; every "
                                   "collective spans all ranks (the global process set).")
 
 
-def _resolve_op(average, op):
+def resolve_op(average, op):
+    """The reduction op Horovod's ``average=``/``op=`` pair means (``op`` supersedes the
+    deprecated ``average``; neither: Average). ValueError for both or an unknown op,
+    NotImplementedError for Adasum."""
     if average is not None and op is not None:
         raise ValueError("The op parameter supersedes average. Please provide only one of them.")
     if average is not None:
@@ -115,6 +120,9 @@ def _resolve_op(average, op):
     if op not in _OP_NAMES:
         raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, Sum, Min, Max or Product")
     return op
+
+
+_resolve_op = resolve_op  # tests/test_horovod.py's spelling
 
 
 # --- running in the engine's replica context -------------------------------------------------
@@ -275,8 +283,8 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
 
     ``tf.IndexedSlices`` are all-gathered (Sum/Average only); ``None`` entries stay None.
     """
-    _check_process_set(process_set)
-    op = _resolve_op(average, op)
+    check_process_set(process_set)
+    op = resolve_op(average, op)
     tensors = list(tensors)
     out = list(tensors)
     dense = [i for i, t in enumerate(tensors)
@@ -324,7 +332,7 @@ def _scalar_to_vector(t):
 
 def grouped_allgather(tensors, process_set=None, **kwargs):
     """``allgather`` of every tensor of the list; returns a list."""
-    _check_process_set(process_set)
+    check_process_set(process_set)
     tensors = [_scalar_to_vector(t) for t in tensors]
     return list(_run(("allgather",), lambda ts: [_gather_uneven(t) for t in ts], tensors,
                      uneven=True))
@@ -361,15 +369,29 @@ def _grouped_broadcast(tensors, root_rank):
 
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=None):
     """``root_rank``'s ``tensor`` on every rank (same shape and dtype everywhere)."""
-    _check_process_set(process_set)
+    check_process_set(process_set)
     return _grouped_broadcast([tensor], root_rank)[0]
+
+
+def model_and_optimizer_variables(model, optimizer=None) -> list:
+    """``model``'s variables, then ``optimizer``'s, each once (a model can track its
+    optimizer's variables, an optimizer a model's): what a broadcast or a commit carries."""
+    variables = list(model.variables)
+    if optimizer is not None:
+        variables += list(optimizer.variables)
+    seen, unique = set(), []
+    for v in variables:
+        if id(v) not in seen:
+            seen.add(id(v))
+            unique.append(v)
+    return unique
 
 
 def broadcast_variables(variables, root_rank, process_set=None, inplace=False):
     """Assigns ``root_rank``'s value to each of ``variables`` on every rank (one reduction).
 
     Returns None eagerly, the grouped assignments inside a tf.function."""
-    _check_process_set(process_set)
+    check_process_set(process_set)
     variables = list(variables)
     if not variables:
         return None
@@ -400,7 +422,7 @@ def _eager_only(name):
 def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=None):
     """``root_rank``'s Python object (pickled) on every rank."""
     _eager_only("broadcast_object")
-    _check_process_set(process_set)
+    check_process_set(process_set)
     root_rank = _check_root(root_rank)
     is_root = _runtime.rank() == root_rank
     words, length = _to_words(obj) if is_root else (None, 0)
@@ -413,7 +435,7 @@ def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=None
 def allgather_object(obj, session=None, name=None, process_set=None):
     """The list of every rank's Python object (pickled), in rank order."""
     _eager_only("allgather_object")
-    _check_process_set(process_set)
+    check_process_set(process_set)
     words, length = _to_words(obj)
     lengths, words_all = grouped_allgather([tf.constant([length, words.size], tf.int64),
                                             tf.constant(words)])
@@ -435,7 +457,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     Built from all-gathers (every rank receives all rows, keeps its own): correct, but it
     moves ``size()`` times the bytes of a native all-to-all.
     """
-    _check_process_set(process_set)
+    check_process_set(process_set)
     size = _runtime.size()
     tensor = tf.convert_to_tensor(tensor)
     given = splits is not None
@@ -495,7 +517,7 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
 # --- misc -----------------------------------------------------------------------------------
 def barrier(process_set=None):
     """Returns once every rank has called it (a tiny all-reduce)."""
-    _check_process_set(process_set)
+    check_process_set(process_set)
     allreduce(tf.zeros([1], tf.float32), op=Sum)
 
 

@@ -42,7 +42,7 @@ import keras
 import numpy as np
 
 from tfdp.horovod import _runtime, collectives
-from tfdp.protocol import CONTROL_DIR_ENV, ELASTIC_DIR_ENV
+from tfdp.protocol import CONTROL_DIR_ENV, ELASTIC_DIR_ENV, JOB_DIR_PREFIX
 from tfdp import process_state
 
 __all__ = ["run", "State", "ObjectState", "TensorFlowState", "TensorFlowKerasState",
@@ -51,9 +51,6 @@ __all__ = ["run", "State", "ObjectState", "TensorFlowState", "TensorFlowKerasSta
            "ELASTIC_DIR_ENV", "commit_dir"]
 
 log = logging.getLogger("tfdp")
-
-_JOB_DIR_PREFIX = "tfdp-run-"  # tfdp-run's per-job directory (tfdp.launcher.cli)
-
 
 class HorovodInternalError(RuntimeError):
     """Horovod's error for a failed collective. In tfdp a failed peer ends the attempt (the
@@ -81,7 +78,7 @@ def commit_dir(environ=None) -> str:
     if not path:
         control = environ.get(CONTROL_DIR_ENV, "").strip()
         parent = os.path.dirname(os.path.abspath(control)) if control else ""
-        if parent and os.path.basename(parent).startswith(_JOB_DIR_PREFIX):
+        if parent and os.path.basename(parent).startswith(JOB_DIR_PREFIX):
             path = os.path.join(parent, "elastic")
         else:
             if _private_dir is None:
@@ -210,8 +207,10 @@ class State:
             setattr(self, name, value)
             self._attrs.setdefault(name, None)
 
-    def _resume(self) -> bool:
-        """Rank 0 loads the last durable commit; True on every rank when it found one."""
+    # --- what @run and UpdateBatchStateCallback need (tfdp's, not Horovod's) ---
+    def resume_from_commit(self) -> bool:
+        """Rank 0 loads the last durable commit; True on every rank when it found one (a
+        relaunch). Collective: every rank calls it."""
         found = False
         if _rank() == 0:
             path = os.path.join(commit_dir(), f"{self._key}.pkl")
@@ -225,6 +224,18 @@ class State:
         if _size() > 1:
             found = bool(collectives.broadcast_object(found, 0))
         return found
+
+    _resume = resume_from_commit  # tests/test_horovod_elastic.py's spelling
+
+    def request_rerun(self) -> None:
+        """Asks ``@run`` to call the function again once it returns: a resumed partial epoch
+        ended early, and Keras 3 cannot shorten an epoch (the module docstring)."""
+        self._rerun = True
+
+    def take_rerun_request(self) -> bool:
+        """Whether ``request_rerun()`` was called since the last take; clears it."""
+        requested, self._rerun = self._rerun, False
+        return requested
 
 
 class ObjectState(State):
@@ -273,16 +284,9 @@ class TensorFlowKerasState(State):
             optimizer.build(self.model.trainable_variables)
 
     def _variables(self):
-        variables = list(self.model.variables)
         optimizer = self._optimizer()
-        if optimizer is not None and optimizer.built:
-            variables += list(optimizer.variables)
-        seen, unique = set(), []
-        for v in variables:
-            if id(v) not in seen:
-                seen.add(id(v))
-                unique.append(v)
-        return unique
+        built = optimizer if optimizer is not None and optimizer.built else None
+        return collectives.model_and_optimizer_variables(self.model, built)
 
 
 KerasState = TensorFlowKerasState
@@ -294,16 +298,16 @@ def run(func):
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
-        _runtime._placement()  # hvd.init() first, as Horovod requires
-        resumed = state._resume()
+        _runtime.initialized_placement()  # hvd.init() first, as Horovod requires
+        resumed = state.resume_from_commit()
         state.sync()
         if resumed:
             state.on_reset()
         state.save()
+        state.take_rerun_request()  # one left from before this call is not this call's
         while True:
-            state._rerun = False
             result = func(state, *args, **kwargs)
-            if not state._rerun:
+            if not state.take_rerun_request():
                 return result
 
     return wrapper
@@ -371,7 +375,7 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
         self.state.batch = self._offset + batch + 1
         if self._limit is not None and batch + 1 >= self._limit:
             self.model.stop_training = True
-            self.state._rerun = True
+            self.state.request_rerun()
 
     def on_epoch_end(self, epoch, logs=None):
         self.state.batch = 0

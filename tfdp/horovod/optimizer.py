@@ -35,11 +35,13 @@ __all__ = ["DistributedOptimizer", "DistributedGradientTape", "is_distributed_op
 _SETTINGS = "_tfdp_horovod"  # the reduction settings on a distributed optimizer
 
 
-def _settings(compression, sparse_as_dense, op, gradient_predivide_factor,
-              backward_passes_per_step, average_aggregated_gradients, process_set):
-    collectives._check_process_set(process_set)
+def reduction_settings(compression, sparse_as_dense, op, gradient_predivide_factor,
+                       backward_passes_per_step, average_aggregated_gradients, process_set):
+    """Horovod's reduction arguments, checked, as the settings ``make_distributed`` and the
+    tape reduce with (also ``tfdp.horovod.keras.load_model``'s)."""
+    collectives.check_process_set(process_set)
     if op not in (collectives.Average, collectives.Sum):
-        collectives._resolve_op(None, op)  # Adasum: its own NotImplementedError
+        collectives.resolve_op(None, op)  # Adasum: its own NotImplementedError
         raise ValueError("DistributedOptimizer reduces gradients with op=hvd.Average or hvd.Sum")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
@@ -149,8 +151,9 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         name, use_locking, device_dense, device_sparse, num_groups, groups,
         scale_local_gradients: accepted for compatibility; tfdp buckets the gradients itself.
     """
-    settings = _settings(compression, sparse_as_dense, op, gradient_predivide_factor,
-                         backward_passes_per_step, average_aggregated_gradients, process_set)
+    settings = reduction_settings(compression, sparse_as_dense, op, gradient_predivide_factor,
+                                  backward_passes_per_step, average_aggregated_gradients,
+                                  process_set)
     return make_distributed(optimizer, settings)
 
 
@@ -185,6 +188,6 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",  # noqa
                             process_set=None, scale_local_gradients=True):
     """Wraps ``gradtape`` so that ``gradient()`` returns gradients reduced over all ranks
     (``op=hvd.Average`` by default; arguments as for ``DistributedOptimizer``)."""
-    settings = _settings(compression, sparse_as_dense, op, gradient_predivide_factor, 1, False,
-                         process_set)
+    settings = reduction_settings(compression, sparse_as_dense, op, gradient_predivide_factor,
+                                  1, False, process_set)
     return _DistributedGradientTape(gradtape, settings)

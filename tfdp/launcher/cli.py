@@ -75,6 +75,7 @@ from tfdp.launcher import processes
 from tfdp.launcher.hosts import ranks_by_host, slot_hosts
 from tfdp.launcher.processes import Attempt, SshConfig, WorkerLog, free_ports
 from tfdp.protocol import (COMPILE_CACHE_ENV, CPU_REPLICAS_ENV, DEFAULT_GRACE_SECONDS, EVICT_FILE,
+                           JOB_DIR_PREFIX,
                            EXIT_CANNOT_START, EXIT_INTERRUPTED, EXIT_NEVER_JOINED,
                            EXIT_PREEMPTED, EXIT_TERMINATED, EXIT_TIMEOUT, GRACE_ENV,
                            MIN_WORKERS_ENV, RESTARTS_LEFT_ENV, default_compile_cache_dir,
@@ -388,7 +389,7 @@ class Launcher:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 previous[sig] = signal.signal(sig, lambda signum, frame: self.signals.append(signum))
-        workdir = tempfile.mkdtemp(prefix="tfdp-run-")
+        workdir = tempfile.mkdtemp(prefix=JOB_DIR_PREFIX)
         self.log_dir = self.log_dir or tempfile.mkdtemp(prefix="tfdp-run-logs-")
         policy = self.policy
         state = policy.initial_state()

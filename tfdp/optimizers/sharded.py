@@ -95,7 +95,7 @@ import keras
 from tfdp import _tf_private
 from tfdp.optimizers import exchange
 from tfdp.optimizers._layerwise import dense
-from tfdp.optimizers.sharded_state import (ConsolidatedState, StatePlacement, _is_stand_in,
+from tfdp.optimizers.sharded_state import (ConsolidatedState, StatePlacement, is_stand_in,
                                            install_loss_scale_saving_hooks,
                                            optimizer_state_bytes_per_replica)
 from tfdp.strategy import (collectives, is_data_parallel, keras_integration, replica_ops,
@@ -304,7 +304,7 @@ class ShardedOptimizer(ConsolidatedState, keras.optimizers.Optimizer):
                 + list(self.inner_optimizer.variables))
         book = getattr(self, "_book", None)
         if book is not None:
-            held += [v for v, _ in book.slots if not _is_stand_in(v)]
+            held += [v for v, _ in book.slots if not is_stand_in(v)]
         return held
 
     def owner_of(self, variable) -> int:

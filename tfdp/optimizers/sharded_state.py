@@ -35,7 +35,7 @@ from tfdp.strategy import is_data_parallel, replica_ops
 
 __all__ = ["StatePlacement", "ConsolidatedState", "variable_bytes_per_device",
            "optimizer_state_bytes_per_replica", "install_loss_scale_saving_hooks",
-           "save_wait_seconds", "check_every_worker_saves", "SAVE_WAIT_ENV"]
+           "save_wait_seconds", "check_every_worker_saves", "SAVE_WAIT_ENV", "is_stand_in"]
 
 # Seconds the chief waits at a save for the other workers to reach it (a number > 0); the
 # default is save_wait_seconds's.
@@ -51,7 +51,7 @@ _SAVE_KEY = "tfdp/sharded-save"
 _saves = itertools.count()  # this process's consolidations, in order: the same on every worker
 
 
-def _is_stand_in(variable) -> bool:
+def is_stand_in(variable) -> bool:
     """An empty placeholder for state that another worker's replica owns.
 
     The Keras wrapper reports the shape it was asked for; the placeholder's own (the
@@ -313,7 +313,7 @@ class ConsolidatedState:
         for i, variable in enumerate(counters):
             variable.assign(store[str(i)])
         for k, (slot, index) in enumerate(self._book.slots):
-            if _is_stand_in(slot):
+            if is_stand_in(slot):
                 continue  # owned by another worker, which loads it itself
             slot.value.assign(np.asarray(store[f"slot_{k}"]))
 

@@ -8,7 +8,7 @@ from tfdp.horovod import *  # noqa: F401,F403
 from tfdp.horovod import __all__ as _hvd_all
 from tfdp.horovod import _missing
 from tfdp.horovod.keras import callbacks
-from tfdp.horovod.optimizer import make_distributed, _settings
+from tfdp.horovod.optimizer import make_distributed, reduction_settings
 
 __all__ = list(_hvd_all) + ["callbacks", "load_model"]
 
@@ -32,7 +32,8 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     model = _keras.models.load_model(filepath, custom_objects=objects or None, **kwargs)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
-        settings = _settings(compression or Compression.none, False, Average, 1.0, 1, False, None)
+        settings = reduction_settings(compression or Compression.none, False, Average, 1.0, 1,
+                                      False, None)
         make_distributed(optimizer, settings, in_place=True)
     return model
 
