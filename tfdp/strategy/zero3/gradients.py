@@ -10,7 +10,7 @@ added; ``clipnorm`` and ``global_clipnorm`` take the norm of the rows), so the r
 are reduced as unsharded tfdp reduces them (sparse_gradients.py: per-example lookups' rows
 concatenated in replica order, a lookup shared by the batch summed position by position) and
 this replica keeps its elements of them: a ``tf.IndexedSlices`` of the 1-D slice with one entry
-per element of every row, rows at one index not added (``_slice_of_sparse_gradient``), which
+per element of every row, rows at one index not added (``slice_of_sparse_gradient``), which
 Keras's optimizer scatters into the slice. Every replica holds the reduced rows while it cuts
 them (what unsharded tfdp holds); the slice's gradient, what stays until the update, holds the
 elements of the rows that reach into the slice (about 1/N of them where ids spread over the
@@ -26,7 +26,7 @@ import tensorflow as tf
 from tfdp import _tf_private
 from tfdp.strategy import replica_ops, sparse_gradients, wire
 
-__all__ = ["gather_slice", "slice_gradient", "slice_of_gradient"]
+__all__ = ["gather_slice", "slice_gradient", "slice_of_gradient", "slice_of_sparse_gradient"]
 
 
 def gather_slice(shard, spec):
@@ -55,19 +55,19 @@ def gather_slice(shard, spec):
 def slice_of_gradient(whole_gradient, spec):
     """This replica's slice of the sum over replicas of ``whole_gradient`` (a gradient of the
     whole tensor): a dense one reduce-scattered, a sparse one (``tf.IndexedSlices``) in one
-    device's form (``_slice_of_sparse_gradient``).
+    device's form (``slice_of_sparse_gradient``).
 
     Args:
         whole_gradient: a tensor of the whole shape, or a ``tf.IndexedSlices`` of its rows.
         spec: the variable's layout.ShardSpec.
     """
     if isinstance(whole_gradient, tf.IndexedSlices):
-        return _slice_of_sparse_gradient(whole_gradient, spec)
+        return slice_of_sparse_gradient(whole_gradient, spec)
     flat = spec.flat_padded(tf.convert_to_tensor(whole_gradient))
     return replica_ops.reduce_scatter(tf.reshape(flat, [spec.num_shards, spec.shard_size]))
 
 
-def _slice_of_sparse_gradient(slices, spec):
+def slice_of_sparse_gradient(slices, spec):
     """This replica's slice of a sparse gradient (an Embedding's rows) as one device has it.
 
     The replicas' rows are reduced as unsharded tfdp reduces them

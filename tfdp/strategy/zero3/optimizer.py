@@ -7,7 +7,7 @@ Muon, Adafactor) are refused when they first apply (``check_optimizer``). Each r
 its slices one variable at a time (``one_update_at_a_time``), so the update's temporaries exist
 for one slice. Norms over whole tensors (``clipnorm``, ``global_clipnorm``) add each replica's
 squared slice norms in one scalar all-reduce (``clip_gradients``), so clipping equals one
-device's; the squared norm of a sparse gradient is that of its entries (``_squared_norm``), as
+device's; the squared norm of a sparse gradient is that of its entries (``squared_norm``), as
 Keras takes it. Keras's EMA (``use_ema=True``) writes each replica's slice of the averages
 (``install_moving_average_hook``). gradient_hooks.py calls ``clip_gradients`` and
 ``check_optimizer`` where Keras clips and applies.
@@ -24,7 +24,7 @@ from tfdp import _tf_private
 from tfdp.strategy import collectives
 
 __all__ = ["one_update_at_a_time", "check_optimizer", "WHOLE_TENSOR_OPTIMIZERS",
-           "clip_gradients", "install_moving_average_hook"]
+           "clip_gradients", "install_moving_average_hook", "squared_norm", "sum_over_replicas"]
 
 # --- Updates one slice at a time ----------------------------------------------------------------
 _updates = threading.local()
@@ -103,14 +103,24 @@ def install_moving_average_hook():
 
 # --- Clipping with sharded gradients -----------------------------------------------------------
 
-def _sum_over_replicas(value):
+def sum_over_replicas(value):
+    """``value`` (a scalar: a squared norm) summed over every replica of every worker; what
+    makes a slice's norm a whole tensor's (a guard test replaces it to show the difference).
+
+    Args:
+        value: this replica's tensor.
+    """
     return collectives.all_reduce(value)
 
 
-def _squared_norm(g):
+def squared_norm(g):
     """Keras's squared norm of a gradient: of a sparse one, of its rows (or elements) as they
     are, duplicates not added first (``ops.square`` keeps IndexedSlices), as one device
-    takes it for ``global_clipnorm`` and tf.clip_by_norm for ``clipnorm``."""
+    takes it for ``global_clipnorm`` and tf.clip_by_norm for ``clipnorm``.
+
+    Args:
+        g: a dense gradient or a ``tf.IndexedSlices``.
+    """
     if isinstance(g, tf.IndexedSlices):
         g = g.values
     return tf.reduce_sum(tf.square(tf.cast(tf.convert_to_tensor(g), tf.float32)))
@@ -138,13 +148,13 @@ def clip_gradients(optimizer, grads, variables, original_clip):
             if g is None or not is_shard:
                 out.append(None if g is None else optimizer._clip_by_norm(g))  # noqa: SLF001
                 continue
-            l2sum = _sum_over_replicas(_squared_norm(g))
+            l2sum = sum_over_replicas(squared_norm(g))
             out.append(_clip_by_norm_with(g, optimizer.clipnorm, l2sum))
         return out
     if optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
-        mirrored = [_squared_norm(g) for g, s in zip(grads, sharded) if g is not None and not s]
-        slices = [_squared_norm(g) for g, s in zip(grads, sharded) if g is not None and s]
-        total = _sum_over_replicas(tf.add_n(slices)) if slices else 0.0
+        mirrored = [squared_norm(g) for g, s in zip(grads, sharded) if g is not None and not s]
+        slices = [squared_norm(g) for g, s in zip(grads, sharded) if g is not None and s]
+        total = sum_over_replicas(tf.add_n(slices)) if slices else 0.0
         if mirrored:
             total = total + tf.add_n(mirrored)
         norm = tf.sqrt(total)

@@ -26,7 +26,8 @@ import tensorflow as tf
 from tfdp import _tf_private, said_once
 from tfdp.strategy.zero3 import gradients
 
-__all__ = ["compile_units_here", "compiles_units", "compilable", "CompiledUnit"]
+__all__ = ["compile_units_here", "compiles_units", "compilable", "CompiledUnit", "static_key",
+           "compiled_calls"]
 
 log = logging.getLogger("tfdp")
 
@@ -34,9 +35,10 @@ log = logging.getLogger("tfdp")
 # each replica traces its part of the step in a thread of its own, into the same graph.
 _compiling_graphs = weakref.WeakSet()
 
-# layer -> {the call's static part: its XLA-compiled call}: every replica's trace of a unit
-# (and its backward recomputation) calls one tf.function, traced once.
-_compiled_calls = weakref.WeakKeyDictionary()
+# layer -> {the call's static part (static_key): its XLA-compiled call}: every replica's trace
+# of a unit (and its backward recomputation) calls one tf.function, traced once. Public so that
+# a test can see which layers were compiled.
+compiled_calls = weakref.WeakKeyDictionary()
 
 
 def compile_units_here():
@@ -50,7 +52,7 @@ def compiles_units() -> bool:
     return tf.compat.v1.get_default_graph() in _compiling_graphs
 
 
-def _static_key(args, kwargs, flat, positions):
+def static_key(args, kwargs, flat, positions):
     """What a compiled call is traced for besides its tensors' types: where every argument
     sits in the call's structure (``f(x, mask=m)`` is not ``f(x, m)``) and the value of each
     non-tensor one. None where one cannot be hashed: no sharing between calls.
@@ -124,8 +126,8 @@ class CompiledUnit(object):
     def _function_for(self, unit):
         """The layer's compiled call for this call's static part (shared by every replica's
         trace and the backward recomputation)."""
-        key = _static_key(unit.args, unit.kwargs, unit.flat, unit.positions)
-        calls = _compiled_calls.setdefault(unit.layer, {})
+        key = static_key(unit.args, unit.kwargs, unit.flat, unit.positions)
+        calls = compiled_calls.setdefault(unit.layer, {})
         function = calls.get(key) if key is not None else None
         if function is None:
             weights = self.weights

@@ -50,7 +50,7 @@ from tfdp.strategy import deadline, lifecycle
 from tfdp import process_state
 
 __all__ = ["register", "take_part", "serve_until_the_chief_ends", "end_for_the_others",
-           "clear", "registered", "WholeReadError"]
+           "clear", "registered", "take_number", "WholeReadError"]
 
 log = logging.getLogger("tfdp")
 
@@ -112,7 +112,9 @@ def _key(number: int) -> str:
     return f"{_PREFIX}/{number}"
 
 
-def _take_number() -> int:
+def take_number() -> int:
+    """This worker's next read number, taken (every read, made or served, takes one, so the
+    workers' numbers stay in step)."""
     with _lock:
         number = _next[0]
         _next[0] += 1
@@ -180,7 +182,7 @@ def take_part(strategy, read_id: str, name: str, what: str, fix: str) -> None:
     cluster = strategy.cluster
     if not cluster.is_multi_worker or not _tf_private.coordination_service_configured():
         return
-    number = _take_number()
+    number = take_number()
     seconds = _bound(strategy)
     head = f"tfdp: {what} on worker {cluster.rank} of {cluster.num_workers}"
     if cluster.rank == 0:
@@ -285,7 +287,7 @@ def serve_until_the_chief_ends(cluster, timeout_seconds) -> int:
             log.warning("tfdp: waited %.0f s at exit for the chief's next whole-tensor read or "
                         "its end; leaving (%d served).", timeout_seconds, served)
             return served
-        _take_number()
+        take_number()
         if value == _END:
             return served
         if value.startswith(_ABANDONED):
@@ -313,7 +315,7 @@ def end_for_the_others(cluster) -> None:
         if _ended[0]:
             return
         _ended[0] = True
-    _tf_private.publish_to_coordination_service(_key(_take_number()), _END)
+    _tf_private.publish_to_coordination_service(_key(take_number()), _END)
 
 
 def _at_exit(cluster, timeout_seconds) -> None:
