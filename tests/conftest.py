@@ -3,17 +3,17 @@ fixtures several test modules share."""
 
 import os
 
+import pytest
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from launching import hide_keras_optional  # noqa: E402
+from launching import hide_keras_optional
 
 # Every process of the session (the xdist workers start after this runs in the controller)
 # imports Keras without the optional packages it would load and no test uses through it.
 hide_keras_optional(os.environ)
 
-import pytest  # noqa: E402
-
-import tfdp  # noqa: E402
+import tfdp  # noqa: E402  (after hide_keras_optional: Keras loads with it)
 
 NUM_CPU_REPLICAS = 4
 tfdp.configure_cpu_replicas(NUM_CPU_REPLICAS)
@@ -21,7 +21,9 @@ tfdp.configure_cpu_replicas(NUM_CPU_REPLICAS)
 from helpers import cpu_devices  # noqa: E402  (after the devices are configured)
 
 # A worker that dies or hangs mid-test says why, in the run's own output (tests/crash_records.py).
-pytest_plugins = ["crash_records"]
+# The module fixtures ``sshd`` (a loopback sshd, two "hosts") and ``slurm`` (a real Slurm
+# controller, nodes n1 and n2) are requested by name, not imported into each test module.
+pytest_plugins = ["crash_records", "loopback_sshd", "slurm_cluster"]
 
 
 @pytest.fixture(scope="module")

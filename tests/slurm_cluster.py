@@ -170,7 +170,7 @@ def _stop(cluster):
         cluster.run("scancel", "--full", "--user", "root", timeout=30)
         cluster.wait(lambda: not cluster.run("squeue", "-h", timeout=30)[1].strip(),
                      "the test jobs to end", timeout=60)
-    except Exception as e:  # noqa: BLE001  still stop the daemons below
+    except Exception as e:  # still stop the daemons below
         print(f"slurm teardown: {e}")
     pids = cluster.pids()
     for pid in pids:

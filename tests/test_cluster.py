@@ -333,7 +333,8 @@ def test_strategy_takes_a_cluster_resolver():
     assert strategy.cluster.source == "cluster_resolver" and strategy.cluster.num_workers == 1
     x, y = classification_data(n=64)
     w0 = initial_weights(mlp)
-    opt = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
+    def opt():
+        return keras.optimizers.SGD(0.1)
     got, _ = train(strategy, mlp, opt, x, y, 16, epochs=1, weights=w0)
     want, _ = train(None, mlp, opt, x, y, 16, epochs=1, weights=w0)
     assert_weights_close(got.get_weights(), want.get_weights())
@@ -438,7 +439,7 @@ def test_tasks_per_node_and_task_layouts():
        job=st.integers(1, 10**7), step=st.integers(0, 50))
 def test_ports_never_collide_on_a_host(counts, method, plane, job, step):
     layout = slurm.task_layout(counts, method, plane)
-    assert sorted(layout) == [(n, l) for n, c in enumerate(counts) for l in range(c)]
+    assert sorted(layout) == [(n, local) for n, c in enumerate(counts) for local in range(c)]
     if max(counts) > slurm.PORTS_PER_STEP and sum(counts) > slurm.PORTS_PER_STEP:
         with pytest.raises(ClusterConfigError, match="more than 32 tasks of one step on a node"):
             slurm.worker_ports(layout, job, step, {})

@@ -16,7 +16,7 @@ import subprocess
 
 import pytest
 
-from launching import run_job, worker_env
+from launching import run_job
 from resume_job import TIMEOUT, WORKER, assert_same_weights, environment, launcher, weights
 from tfdp.launcher.arguments import parse_args
 from tfdp.launcher.cli import Launcher

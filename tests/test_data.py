@@ -151,7 +151,8 @@ def test_errors_name_the_problem(strategy, tmp_path):
 
 
 def test_set_epoch_makes_the_order_a_function_of_seed_and_epoch(strategy):
-    make = lambda: tdata.distribute(strategy, tf.data.Dataset.range(64), 16, shuffle_buffer=64, seed=3)  # noqa: E731
+    def make():
+        return tdata.distribute(strategy, tf.data.Dataset.range(64), 16, shuffle_buffer=64, seed=3)
     a, b = make(), make()
     a.set_epoch(5)
     first = collect(strategy, a)
@@ -210,7 +211,8 @@ def test_set_position_skips_raw_records_before_parsing(strategy4, tmp_path):
 
 
 def test_position_steps_are_the_same_for_2_and_4_replicas(strategy, strategy4):
-    make = lambda s: tdata.distribute(s, tf.data.Dataset.range(70), 16, shuffle_buffer=70, seed=5)  # noqa: E731
+    def make(s):
+        return tdata.distribute(s, tf.data.Dataset.range(70), 16, shuffle_buffer=70, seed=5)
     two, four = make(strategy), make(strategy4)
     two.set_epoch(1), four.set_epoch(1)
     assert step_sets(strategy, two) == step_sets(strategy4, four)
@@ -221,7 +223,8 @@ def test_position_steps_are_the_same_for_2_and_4_replicas(strategy, strategy4):
 
 def test_data_sharding_steps_do_not_depend_on_the_worker_count(strategy4):
     """Step s trains on global elements [s*B, (s+1)*B) of one order for 1, 2 and 3 workers."""
-    make = lambda: tf.data.Dataset.range(100).map(lambda i: (i, i))  # noqa: E731
+    def make():
+        return tf.data.Dataset.range(100).map(lambda i: (i, i))
     reference = tdata.distribute(strategy4, make(), 24, shuffle_buffer=100, seed=9)
     reference.set_epoch(4)
     want = step_sets(strategy4, reference)
@@ -242,7 +245,8 @@ def test_file_sharding_position_skips_the_workers_own_stream(tmp_path):
     source = tf.data.Dataset.range(90).map(lambda i: (i, i))
     tdata.write_tfrecord_shards(source, tmp_path, 4, assign=lambda i: min(i // 20, 3))
     spec = source.element_spec
-    make = lambda: tdata.Files(str(tmp_path / "*.tfrecord"), parse_fn=tdata.tfrecord_parser(spec))  # noqa: E731
+    def make():
+        return tdata.Files(str(tmp_path / "*.tfrecord"), parse_fn=tdata.tfrecord_parser(spec))
     inputs = fake_workers(2, 2, make, 8, shard_policy="file", shuffle_buffer=30, seed=2)
     for wi in inputs:
         wi.set_epoch(0)
@@ -260,7 +264,8 @@ def test_workers_with_exact_counts_get_exactly_the_epochs_steps(tmp_path):
     source = tf.data.Dataset.range(90).map(lambda i: (i, i))
     paths = tdata.write_tfrecord_shards(source, tmp_path, 4, assign=lambda i: min(i // 20, 3))
     spec = source.element_spec
-    make = lambda: tdata.Files(str(tmp_path / "*.tfrecord"), parse_fn=tdata.tfrecord_parser(spec))  # noqa: E731
+    def make():
+        return tdata.Files(str(tmp_path / "*.tfrecord"), parse_fn=tdata.tfrecord_parser(spec))
     inputs = fake_workers(2, 2, make, 8, shard_policy="file", shuffle_buffer=30, seed=2)
     steps = inputs[0].cardinality
     assert steps == 13  # worker 0: files 0, 2 = 40 records = 10 steps; worker 1: 50 = 13 steps
@@ -406,7 +411,8 @@ def test_input_function_may_return_per_replica_batches(strategy4):
 # --- steps per epoch without reading ---------------------------------------------------------
 
 def test_unknown_size_is_reported_unknown_and_num_examples_fixes_it(strategy4):
-    unknown = lambda: tf.data.Dataset.range(70).filter(lambda i: i >= 0)  # noqa: E731
+    def unknown():
+        return tf.data.Dataset.range(70).filter(lambda i: i >= 0)
     dist = tdata.distribute(strategy4, unknown(), 16)
     assert dist.cardinality == tf.data.UNKNOWN_CARDINALITY  # not TF's per-replica batch count
     assert flat(collect(strategy4, dist)) == list(range(70))
@@ -469,8 +475,9 @@ def test_record_count_index_is_written_checked_and_used(strategy4, tmp_path):
 
 
 def test_generator_source_is_distributed_with_unknown_or_given_size(strategy4):
-    make = lambda: tf.data.Dataset.from_generator(  # noqa: E731
-        lambda: iter(range(37)), output_signature=tf.TensorSpec([], tf.int64))
+    def make():
+        return tf.data.Dataset.from_generator(
+            lambda: iter(range(37)), output_signature=tf.TensorSpec([], tf.int64))
     dist = tdata.distribute(strategy4, make(), 8)
     assert flat(collect(strategy4, dist)) == list(range(37))
     assert dist.cardinality == tf.data.UNKNOWN_CARDINALITY

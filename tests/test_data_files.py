@@ -99,7 +99,8 @@ def test_two_workers_shard_native_pipelines_by_file(data_dir, name):
 
 
 def test_batched_native_pipeline_is_sharded_by_file_and_rebatched(data_dir):
-    make = lambda: pipelines(data_dir)["tfrecord_list"]().batch(8)  # noqa: E731
+    def make():
+        return pipelines(data_dir)["tfrecord_list"]().batch(8)
     inputs = fake_workers(2, 2, make, 8)
     assert inputs[0].sharding_info["policy"] == "file"
     steps, per_worker = global_steps(inputs)
@@ -126,7 +127,8 @@ def test_too_few_files_raise_for_file_and_fall_back_for_auto(data_dir, caplog):
                                             (lambda d: d.skip(5), "skip"),
                                             (lambda d: d.shard(2, 0), "shard")])
 def test_positional_transformations_are_not_sharded_by_file(data_dir, transform, name):
-    make = lambda: transform(pipelines(data_dir)["tfrecord_list"]())  # noqa: E731
+    def make():
+        return transform(pipelines(data_dir)["tfrecord_list"]())
     want = sorted(int(i) for i in make())
     inputs = fake_workers(2, 2, make, 8)
     assert inputs[0].sharding_info["policy"] == "data"
@@ -149,8 +151,9 @@ def test_distribute_reads_no_record_before_the_first_step(strategy4, data_dir):
         return parse(tf.ensure_shape(value, []))
 
     files = sorted(str(p) for p in (data_dir / "tfrecord").glob("*.tfrecord"))
-    make = lambda: tf.data.Dataset.from_tensor_slices(files).interleave(  # noqa: E731
-        lambda f: tf.data.TFRecordDataset(f).map(counted), cycle_length=2)
+    def make():
+        return tf.data.Dataset.from_tensor_slices(files).interleave(
+            lambda f: tf.data.TFRecordDataset(f).map(counted), cycle_length=2)
     dist = tdata.distribute(strategy4, make(), 16, shuffle_buffer=20)
     assert dist.cardinality == 5 and reads == []  # steps known, not one record read
     inputs = fake_workers(2, 2, make, 8)  # and with FILE sharding across two workers
@@ -179,8 +182,9 @@ def test_count_records_is_opt_in_and_makes_text_steps_exact(strategy4, data_dir,
     texts = [tmp_path / f"t{k}.txt" for k in range(5)]
     for k, p in enumerate(texts):
         p.write_text("".join(f"{i}\n" for i in ids_of_file(k)))
-    make = lambda: tf.data.TextLineDataset([str(p) for p in texts]).map(  # noqa: E731
-        lambda s: tf.strings.to_number(s, tf.int64))
+    def make():
+        return tf.data.TextLineDataset([str(p) for p in texts]).map(
+            lambda s: tf.strings.to_number(s, tf.int64))
     assert tdata.distribute(strategy4, make(), 16).cardinality == tf.data.UNKNOWN_CARDINALITY
     assert tdata.count_records([str(p) for p in texts], reader="text") == SIZES
     assert tdata.distribute(strategy4, make(), 16).cardinality == 5

@@ -11,7 +11,6 @@ duplicate elements."""
 
 import json
 
-import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -220,7 +219,8 @@ def tfrecords(tmp_path_factory):
 
 def test_file_sharding_keeps_a_shuffle_after_the_reader(tfrecords):
     parse = tdata.tfrecord_parser(tf.TensorSpec([], tf.int64))
-    make = lambda: tf.data.TFRecordDataset(tfrecords).map(parse).shuffle(20)  # noqa: E731
+    def make():
+        return tf.data.TFRecordDataset(tfrecords).map(parse).shuffle(20)
     assert [op.unseeded for op in ops_of(make())] == [True]
     inputs = fake_workers(2, 1, make, 4)
     assert inputs[0].sharding_info["policy"] == "file"
@@ -229,9 +229,11 @@ def test_file_sharding_keeps_a_shuffle_after_the_reader(tfrecords):
 
 
 def test_a_file_pipeline_sharded_by_data_is_seeded(tfrecords):
-    names = lambda: tf.data.Dataset.list_files(tfrecords)  # noqa: E731  shuffled, unseeded
+    def names():  # shuffled, unseeded
+        return tf.data.Dataset.list_files(tfrecords)
     parse = tdata.tfrecord_parser(tf.TensorSpec([], tf.int64))
-    make = lambda: names().interleave(tf.data.TFRecordDataset).map(parse).shuffle(20)  # noqa
+    def make():
+        return names().interleave(tf.data.TFRecordDataset).map(parse).shuffle(20)
     inputs = fake_workers(2, 1, make, 4, shard_policy="data")
     assert sorted(inputs[0].sharding_info["seeded_shuffles"]) == ["shuffle(20)", "shuffle(5)"]
     assert epoch_ids(inputs) == list(range(70))

@@ -90,7 +90,7 @@ def test_an_indivisible_global_batch_on_the_new_size_is_a_clear_error(tmp_path):
     code, log = run_job(launcher(workers=3, cpu_replicas=1), env, TIMEOUT)
     assert code != 0
     assert "global_batch_size=20 is not divisible by the 3 replicas" in log, log
-    assert not [l for l in log.splitlines() if "steps-slot" in l]
+    assert not [line for line in log.splitlines() if "steps-slot" in line]
     assert len(steps_run(tmp_path)) == 3  # no step ran on 3 workers
 
 
@@ -182,7 +182,7 @@ def test_the_worker_the_others_wait_for_is_named_whatever_slows_it(tmp_path):
                       TFDP_TEST_SLOW="input:2:340:420,compute:0:480:560")
     code, log = run_with_duty_cycle(tmp_path, (), env, *PHASES[1])
     assert code == 0, log
-    lines = [LINE.search(l) for l in log.splitlines() if "tfdp: straggler:" in l]
+    lines = [LINE.search(line) for line in log.splitlines() if "tfdp: straggler:" in line]
     assert lines and all(lines), log
     named = [(int(m.group(1)), int(m.group(9))) for m in lines]
     print("named (rank, at step):", named)

@@ -60,7 +60,8 @@ def test_clipping_acts_on_the_reduced_gradient():
     """Local clipping (stock Keras) would differ from the reference; tfdp must not."""
     x, y = classification_data()
     weights = initial_weights(mlp)
-    opt = lambda: keras.optimizers.SGD(0.5, clipnorm=0.05)  # noqa: E731  tight per-tensor clip
+    def opt():  # tight per-tensor clip
+        return keras.optimizers.SGD(0.5, clipnorm=0.05)
     ref, _ = train(None, mlp, opt, x, y, 64, weights=weights, epochs=1)
     strategy = tfdp.DataParallelStrategy(devices=cpu_devices(4))
     got, _ = train(strategy, mlp, opt, x, y, 64, weights=weights, epochs=1)

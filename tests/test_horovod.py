@@ -29,7 +29,7 @@ from tfdp.horovod import _runtime
 from tfdp.launcher import horovodrun
 from tfdp.launcher.cli import parse_args
 from tfdp.optimizers import sharded_state
-from loopback_sshd import launch_over_ssh, sshd  # noqa: F401  (sshd: the fixture, two "hosts")
+from loopback_sshd import launch_over_ssh
 
 LAUNCH_TIMEOUT = 180
 LOCAL_BATCH = 8
@@ -83,7 +83,7 @@ def test_calls_before_init_raise_horovods_error():
 def test_unimplemented_names_say_what_to_use():
     assert hvd.elastic.run and hvd_keras.elastic.KerasState  # issue 42: implemented
     with pytest.raises(AttributeError, match="synchronized=True"):
-        hvd_keras.SyncBatchNormalization  # noqa: B018
+        hvd_keras.SyncBatchNormalization  # the lookup itself raises
     assert not hasattr(hvd, "no_such_name")
     with pytest.raises(NotImplementedError, match="tfdp.data"):
         hvd.join()

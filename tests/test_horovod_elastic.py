@@ -11,13 +11,13 @@ uninterrupted job's), or it fails at its restart and is dropped (the job finishe
 process), and over ssh (two loopback hosts, ``TFDP_ELASTIC_DIR`` shared)."""
 
 import json
+import os
 import sys
 
 import numpy as np
 import pytest
 
 from launching import run_job, worker_env, worker_script
-from loopback_sshd import sshd  # noqa: F401  (the fixture: a loopback sshd, two "hosts")
 
 LAUNCH_TIMEOUT = 400
 EPOCHS, STEPS = 3, 6
@@ -103,8 +103,28 @@ def test_a_killed_worker_resumes_from_the_last_commit(tmp_path, case, request):
 
 # --- one process (quick) ----------------------------------------------------------------------
 
-def test_commit_dir_is_the_variable_else_the_jobs_directory_else_private(tmp_path):
+@pytest.fixture
+def private_tmp(tmp_path_factory):
+    """The temporary directory of a test that uses ``elastic``: pytest's, not the system's."""
+    return tmp_path_factory.mktemp("tempdir")
+
+
+@pytest.fixture
+def elastic(monkeypatch, private_tmp):
+    """``tfdp.horovod.elastic`` with its process state (the private commit directory, the
+    states' key counter) the test's own, put back as it was afterwards; a private directory
+    it makes lies in ``private_tmp``, not in the system's temporary directory."""
+    import tempfile
+
     from tfdp.horovod import elastic
+    monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))
+    monkeypatch.setattr(elastic, "_private_dir", None)
+    monkeypatch.setattr(elastic, "_counter", [0])
+    return elastic
+
+
+def test_commit_dir_is_the_variable_else_the_jobs_directory_else_private(tmp_path, elastic,
+                                                                         private_tmp):
     assert elastic.commit_dir({"TFDP_ELASTIC_DIR": str(tmp_path / "e")}) == str(tmp_path / "e")
     job = tmp_path / "tfdp-run-abc"
     control = job / "attempt-1-xyz"
@@ -112,11 +132,12 @@ def test_commit_dir_is_the_variable_else_the_jobs_directory_else_private(tmp_pat
     assert elastic.commit_dir({"TFDP_CONTROL_DIR": str(control)}) == str(job / "elastic")
     private = elastic.commit_dir({"TFDP_CONTROL_DIR": "/tmp/attempt-0-private"})
     assert "tfdp-elastic-" in private and private == elastic.commit_dir({})
+    assert os.path.dirname(private) == str(private_tmp)  # pytest's, not the system's
 
 
-def test_a_commit_is_durable_and_resumes_variables_and_attributes(tmp_path, monkeypatch):
+def test_a_commit_is_durable_and_resumes_variables_and_attributes(tmp_path, monkeypatch,
+                                                                  elastic):
     import keras
-    from tfdp.horovod import elastic
     monkeypatch.setenv("TFDP_ELASTIC_DIR", str(tmp_path))
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     model.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
@@ -153,14 +174,14 @@ def test_a_commit_is_durable_and_resumes_variables_and_attributes(tmp_path, monk
     assert elastic.HostsUpdatedInterrupt(skip_sync=True).skip_sync
 
 
-def test_run_resumes_a_partial_epoch_with_only_its_remaining_batches(tmp_path, monkeypatch):
+def test_run_resumes_a_partial_epoch_with_only_its_remaining_batches(tmp_path, monkeypatch,
+                                                                     elastic):
     """One process, Horovod's Keras callbacks: a commit at epoch 1, batch 4 of 6; a relaunch
     (a fresh state with the commit's key) trains 2 batches, then epoch 2 whole, committing as
     it goes; the reset callback ran once; the function was re-entered once."""
     import keras
     import numpy as np
     import tensorflow as tf
-    from tfdp.horovod import elastic
     monkeypatch.setenv("TFDP_ELASTIC_DIR", str(tmp_path))
 
     def build():
@@ -216,7 +237,6 @@ def test_run_resumes_a_partial_epoch_with_only_its_remaining_batches(tmp_path, m
 def test_the_elastic_synthetic_benchmark_runs_under_tfdp_run():
     """examples/horovod_elastic_synthetic_benchmark.py (Horovod's elastic benchmark with its
     import changed: TensorFlowKerasState, commits in a custom loop) to its final img/s line."""
-    import os
     import re
 
     from launching import ROOT

@@ -13,7 +13,7 @@ import pytest
 from launching import run_job, worker_env, worker_script
 from tfdp.cluster.placement import horovod_environment, placement_of, shared_host_environment
 from tfdp.launcher import processes
-from loopback_sshd import launch_over_ssh, sshd  # noqa: F401  (the fixture: a loopback sshd, two "hosts")
+from loopback_sshd import launch_over_ssh
 
 LAUNCH_TIMEOUT = 180
 

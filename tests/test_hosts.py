@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from launching import fake_worker_starts, wait_until, worker_env, worker_script
-from loopback_sshd import ADDRESSES, sshd  # noqa: F401  (sshd: the fixture)
+from loopback_sshd import ADDRESSES
 from procs import process_alive
 from tfdp.launcher import hosts as hosts_lib
 from tfdp.launcher import processes as launch

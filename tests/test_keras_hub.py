@@ -29,10 +29,10 @@ import tensorflow as tf
 pytest.importorskip("keras_hub", reason="keras-hub is installed by the README's test command "
                     "(pip install --no-deps keras-hub==0.32.0)")
 
-import tfdp  # noqa: E402
-from helpers import cpu_devices  # noqa: E402
-from tfdp.strategy import sharded_parameters  # noqa: E402
-import keras_hub_cases as cases  # noqa: E402
+import tfdp
+from helpers import cpu_devices
+from tfdp.strategy import sharded_parameters
+import keras_hub_cases as cases
 
 # Every test here trains for more than 8 s on the 2-core host: the whole suite runs them, the
 # README's quick subset (-m "not slow") does not.

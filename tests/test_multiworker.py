@@ -126,7 +126,7 @@ def test_ctrl_c_is_forwarded_and_stops_everything(tmp_path):
         deadline = time.monotonic() + LAUNCH_TIMEOUT
         for line in proc.stdout:  # wait until both workers have joined and train
             lines.append(line)
-            if sum("replicas, chief=" in l for l in lines) == 2 or time.monotonic() > deadline:
+            if sum("replicas, chief=" in s for s in lines) == 2 or time.monotonic() > deadline:
                 break
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)

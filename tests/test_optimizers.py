@@ -222,8 +222,9 @@ def test_model_save_load_round_trips_optimizer_state(cls, tmp_path):
 def test_distributed_training_equals_single_device(cls):
     x, y = classification_data()
     w0 = initial_weights(mlp)
-    opt = lambda: cls(learning_rate=0.05 if cls is LAMB else 1.0, weight_decay=1e-3,  # noqa: E731
-                      gradient_accumulation_steps=2)
+    def opt():
+        return cls(learning_rate=0.05 if cls is LAMB else 1.0, weight_decay=1e-3,
+                   gradient_accumulation_steps=2)
     ref, _ = train(None, mlp, opt, x, y, 32, weights=w0)
     got, _ = train(tfdp.DataParallelStrategy(devices=cpu_devices(4)), mlp, opt, x, y, 32, weights=w0)
     for a, b in zip(got.get_weights(), ref.get_weights()):

@@ -32,7 +32,7 @@ def profiled_steps(tmp_path, order):
            f"--logdir={tmp_path / order}"]
     code, out = run_job(cmd, worker_env(), timeout=300)
     assert code == 0, out[-4000:]
-    [line] = [l for l in out.splitlines() if l.startswith("JSON ")]
+    [line] = [s for s in out.splitlines() if s.startswith("JSON ")]
     steps = json.loads(line[len("JSON "):])["steps"]
     assert len(steps) == 2, out[-2000:]
     return steps

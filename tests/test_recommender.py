@@ -57,8 +57,8 @@ def traced(monkeypatch):
     """Counts, while steps are traced, the broadcasts, the whole-table broadcasts and the
     rows written by scatter."""
     counts = {"broadcasts": 0, "whole": 0, "scatters": 0}
-    broadcast_row, write = replica_ops.broadcast_row, exchange._write  # noqa: SLF001
-    broadcast_whole = exchange._broadcast_whole  # noqa: SLF001
+    broadcast_row, write = replica_ops.broadcast_row, exchange._write
+    broadcast_whole = exchange._broadcast_whole
 
     def counting_broadcast(*args, **kwargs):
         counts["broadcasts"] += 1
@@ -107,7 +107,7 @@ def test_whole_tables_are_the_looked_up_matrices_up_to_the_cap():
     shapes = {0: (1000, 8), 1: (8,), 2: (10, 4), 3: (5000, 8)}
     assert exchange.whole_tables(shapes, {0, 2, 3}, 4) == [0, 2, 3]
     assert exchange.whole_tables(shapes, {0, 1}, 4) == [0]  # a vector is no table; 2 not looked up
-    cap = exchange._WHOLE_TABLE_MAX_BYTES  # noqa: SLF001
+    cap = exchange._WHOLE_TABLE_MAX_BYTES
     assert exchange.whole_tables({0: (cap // 32, 8), 1: (cap // 32 + 1, 8)}, {0, 1}, 4) == [0]
 
 

@@ -5,8 +5,6 @@ Before tfdp 0.4 every replica drew the same numbers (Keras's seed state is mirro
 replicas applied one Dropout mask to their four slices of the batch, as MirroredStrategy still
 does (the guard below)."""
 
-import json
-import os
 
 import numpy as np
 import pytest

@@ -1,6 +1,5 @@
 """tfdp.resilience: the pure decisions and the atomic backup store (no training here)."""
 
-import json
 import os
 import signal
 import subprocess

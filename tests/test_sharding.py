@@ -105,7 +105,8 @@ def _fit_steps(strategy, x, y, weights, opt_state_from=None, epochs=1, sharded=T
 def test_checkpoint_restores_on_another_replica_count(tmp_path, before, after):
     x, y = classification_data()
     w0 = initial_weights(deep_mlp)
-    strategy = lambda n: tfdp.DataParallelStrategy(devices=cpu_devices(n))  # noqa: E731
+    def strategy(n):
+        return tfdp.DataParallelStrategy(devices=cpu_devices(n))
     reference, _ = one_device("adam_global_clipnorm")  # = _fit_steps(None, ..., epochs=2)
 
     first = _fit_steps(strategy(before), x, y, w0)
@@ -142,7 +143,8 @@ def test_learning_rate_schedule_and_sparse_gradients():
     model_fn = embedding_model
     x, y = token_data()
     w0 = initial_weights(model_fn)
-    schedule = lambda: tfdp.schedules.WarmupCosineDecay(0.05, warmup_steps=3, total_steps=8)  # noqa: E731
+    def schedule():
+        return tfdp.schedules.WarmupCosineDecay(0.05, warmup_steps=3, total_steps=8)
     ref, _ = train(None, model_fn, lambda: keras.optimizers.Adam(schedule()), x, y, 64, weights=w0)
     got, _ = train(tfdp.DataParallelStrategy(devices=cpu_devices(4)), model_fn,
                    lambda: tfdp.ShardedOptimizer(keras.optimizers.Adam(schedule())), x, y, 64, weights=w0)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from slurm_cluster import (MISSING, NODES, SKIP_REASON, WORKER, assert_close, held_at_13,
-                           reference_weights, saved_weights, slurm, steps_of)  # noqa: F401
+                           reference_weights, saved_weights, steps_of)
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiworker]
 if MISSING:
@@ -67,8 +67,9 @@ def test_one_task_step_and_batch_script_stay_single_worker(slurm, tmp_path):
 # --- training ------------------------------------------------------------------------------
 
 def _addresses(out):
-    lines = [l for l in out.splitlines() if l.startswith("rank ") and "address=" in l]
-    return {int(l.split()[1].rstrip(":")): l.split("address=")[1].split()[0] for l in lines}
+    lines = [line for line in out.splitlines() if line.startswith("rank ") and "address=" in line]
+    return {int(line.split()[1].rstrip(":")): line.split("address=")[1].split()[0]
+            for line in lines}
 
 
 @pytest.mark.parametrize("layout,workers", [(("-n2",), 2), (("--ntasks-per-node=2",), 4)],

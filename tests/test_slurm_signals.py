@@ -36,7 +36,6 @@ from tfdp.resilience.preemption import PreemptionWatcher, preemption_signals
 
 from slurm_cluster import (MISSING, SKIP_REASON, WORKER, assert_close, held_at_13,
                            reference_weights, saved_weights, steps_of)
-from slurm_cluster import slurm  # noqa: F401  the module fixture: a real controller, nodes n1, n2
 
 WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers")
 HANDLED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
@@ -230,7 +229,8 @@ def test_fit_left_by_an_exception_puts_the_handler_back_and_stops_the_backstop(
     # Keras calls on_train_end only when fit returns. Left behind, the watcher would keep
     # SIGTERM and its backstop would end this process with os._exit(143) a grace period
     # later, in whatever the process does next (seen: a pytest-xdist worker lost mid-suite).
-    mine = lambda signum, frame: None  # noqa: E731
+    def mine(signum, frame):
+        return None
     signal.signal(signal.SIGTERM, mine)
     if how == "preempted":
         with pytest.raises(SystemExit) as exit_info:
@@ -296,7 +296,7 @@ def _check_resumed_exactly(out):
 @pytest.mark.parametrize("sig,scancel", [("USR1", ("--batch",)), ("USR2", ())],
                          ids=["USR1 to the batch script (--signal=B:USR1@n), forwarded",
                               "USR2 to the tasks (--signal=USR2@n)"])
-def test_slurm_signal_backs_up_requeues_and_resumes_exactly(slurm, tmp_path, sig,  # noqa: F811
+def test_slurm_signal_backs_up_requeues_and_resumes_exactly(slurm, tmp_path, sig,
                                                             scancel):
     script = tmp_path / "job.sh"
     script.write_text(BATCH_SCRIPT.format(python=sys.executable, worker=WORKER))
@@ -321,7 +321,7 @@ def test_slurm_signal_backs_up_requeues_and_resumes_exactly(slurm, tmp_path, sig
 @pytest.mark.slow
 @pytest.mark.multiworker
 @needs_slurm
-def test_submitit_requeues_the_job_after_tfdp_backs_up(slurm, tmp_path, monkeypatch):  # noqa: F811
+def test_submitit_requeues_the_job_after_tfdp_backs_up(slurm, tmp_path, monkeypatch):
     submitit = pytest.importorskip("submitit", reason="submitit is not installed (pip install "
                                    "submitit): its USR2-and-requeue path is not tested")
     # submitit runs sbatch/scontrol with this process's environment: give it the test

@@ -16,7 +16,8 @@ FIELDS = ("compute", "step", "input", "host", "wait")
 def test_the_monitor_times_four_replicas_without_changing_the_weights(strategy4):
     x, y = classification_data(n=256)
     w0 = initial_weights(mlp)
-    optimizer = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
+    def optimizer():
+        return keras.optimizers.Adam(0.01)
     monitor = tfdp.callbacks.StragglerMonitor(window=3)
     timed, logs = train(strategy4, mlp, optimizer, x, y, global_batch=32, epochs=2, weights=w0,
                         fit_kwargs={"callbacks": [monitor]})

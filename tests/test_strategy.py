@@ -94,7 +94,8 @@ def test_fit_with_int32_labels_under_gpu_dtype_rules_trains_like_one_device():
     # Keras reduces the (x, int32 y) batch nest before fit; under GPU rules y travels as int64.
     x, y = classification_data(n=64)
     weights = initial_weights(mlp)
-    sgd = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
+    def sgd():
+        return keras.optimizers.SGD(0.1, momentum=0.9)
     ref, _ = train(None, mlp, sgd, x, y, 32, weights=weights)
     strategy = tfdp.DataParallelStrategy(cpu_devices(2))
     strategy.extended._tfdp_reduce_device_type = "GPU"
@@ -331,7 +332,8 @@ def _one_device_fit():
 
 
 def _run_fit(strategy, x, y, weights, epochs=2):
-    opt = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
+    def opt():
+        return keras.optimizers.Adam(0.01)
     model, history = train(strategy, mlp, opt, x, y, 64, weights=weights, epochs=epochs)
     return model.get_weights(), history
 
@@ -495,7 +497,8 @@ def _bn_model(synchronized):
 def test_synchronized_batchnorm_uses_global_batch_statistics():
     x, y = classification_data()
     w0 = initial_weights(_bn_model(False))
-    opt = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
+    def opt():
+        return keras.optimizers.SGD(0.1)
     ref, _ = train(None, _bn_model(False), opt, x, y, 64, weights=w0)
     s = tfdp.DataParallelStrategy(devices=cpu_devices(4))
     got, _ = train(s, _bn_model(True), opt, x, y, 64, weights=w0)
@@ -510,8 +513,9 @@ def test_synchronized_batchnorm_uses_global_batch_statistics():
 def test_gradient_accumulation_matches_single_device():
     x, y = classification_data()
     w0 = initial_weights(mlp)
-    opt = lambda: keras.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2,  # noqa: E731
-                                       global_clipnorm=0.3)
+    def opt():
+        return keras.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2,
+                                    global_clipnorm=0.3)
     ref, ref_hist = train(None, mlp, opt, x, y, 32, weights=w0)
     s = tfdp.DataParallelStrategy(devices=cpu_devices(4))
     got, hist = train(s, mlp, opt, x, y, 32, weights=w0)
@@ -571,7 +575,8 @@ class _Interrupt(keras.callbacks.Callback):
 def test_backup_and_restore_resumes_exactly(tmp_path):
     x, y = classification_data()
     w0 = initial_weights(mlp)
-    opt = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
+    def opt():
+        return keras.optimizers.Adam(0.01)
     ref, _ = train(tfdp.DataParallelStrategy(devices=cpu_devices(4)), mlp, opt, x, y, 64,
                    weights=w0, epochs=4)
     backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))

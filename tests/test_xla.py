@@ -142,7 +142,8 @@ def test_keras_auto_jit_compile_is_not_refused():
 
 def test_one_replica_trains_with_jit_compile_true_like_without():
     x, y = classification_data(n=64)
-    sgd = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
+    def sgd():
+        return keras.optimizers.SGD(0.1)
     compiled, _ = train(tfdp.DataParallelStrategy(cpu_devices(1)), mlp, sgd, x, y, 16,
                         weights=initial_weights(mlp), compile_kwargs={"jit_compile": True},
                         fit_kwargs={"shuffle": False})
@@ -193,7 +194,8 @@ def test_four_replicas_with_xla_train_like_one_device(opt_name):
 def test_evaluate_and_predict_with_xla_equal_one_device():
     x, y = classification_data(n=128)
     weights = initial_weights(mlp)
-    sgd = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
+    def sgd():
+        return keras.optimizers.SGD(0.1)
     ref, _ = train(None, mlp, sgd, x, y, 32, epochs=1, weights=weights)
     got, _ = train(tfdp.DataParallelStrategy(cpu_devices(4)), mlp, sgd, x, y, 32, epochs=1,
                    weights=weights, compile_kwargs={"jit_compile": True},
@@ -218,7 +220,8 @@ def _not_compilable_model():
 
 def test_the_split_step_really_runs_compiled_and_jit_compile_false_turns_it_off():
     x, y = classification_data(n=32)
-    sgd = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
+    def sgd():
+        return keras.optimizers.SGD(0.1)
     strategy = tfdp.DataParallelStrategy(cpu_devices(2))
     with pytest.raises(Exception, match="(?i)xla|compil|EagerPyFunc|PyFunc"):
         train(strategy, _not_compilable_model, sgd, x, y, 16, epochs=1,
@@ -261,7 +264,8 @@ def test_state_updates_under_xla_equal_without():
 
     x, y = classification_data(n=128)
     weights = initial_weights(bn_model)
-    adam = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
+    def adam():
+        return keras.optimizers.Adam(0.01)
     results = []
     for jit in (True, False):
         model, history = train(tfdp.DataParallelStrategy(cpu_devices(4)), bn_model, adam, x, y,
@@ -282,7 +286,8 @@ class OwnStep(keras.Sequential):
 def test_an_overridden_train_step_runs_without_xla_and_says_so_once(caplog):
     x, y = classification_data(n=64)
     weights = initial_weights(mlp)
-    sgd = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
+    def sgd():
+        return keras.optimizers.SGD(0.1, momentum=0.9)
 
     def own_model():
         return OwnStep(mlp().layers)
@@ -321,7 +326,7 @@ def _custom_loop(strategy, jit_compile, steps=4):
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
-    step = tf.function(lambda f, l: strategy.run(replica_step, args=(f, l))) if strategy \
+    step = tf.function(lambda xs, ys: strategy.run(replica_step, args=(xs, ys))) if strategy \
         else tf.function(replica_step)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(64)
     if strategy:

@@ -279,7 +279,8 @@ def test_update_boundary_checkpoint_restores_on_another_replica_count(tmp_path, 
     reference = _fit(None, lambda: wrap(_ema_adam()), x, y, w0)
     reference.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(MICRO_BATCH), epochs=1, verbose=0)
 
-    make = lambda: wrap(tfdp.ShardedOptimizer(_ema_adam()))  # noqa: E731
+    def make():
+        return wrap(tfdp.ShardedOptimizer(_ema_adam()))
     first = _fit(tfdp.DataParallelStrategy(devices=cpu_devices(4)), make, x, y, w0)
     sharded_opt = first.optimizer.inner_optimizer if lso else first.optimizer
     assert int(sharded_opt.inner_optimizer._iterations.numpy()) % K == 0  # a boundary
@@ -320,7 +321,8 @@ def test_loss_scale_optimizer_mixed_precision_with_accumulation():
     try:
         make = mixed_precision_mlp
         w0 = initial_weights(make)
-        inner = lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=K)  # noqa: E731
+        def inner():
+            return keras.optimizers.Adam(0.01, gradient_accumulation_steps=K)
         ref, _ = train(None, make, lambda: keras.optimizers.LossScaleOptimizer(inner()),
                        x, y, MICRO_BATCH, weights=w0)
         got, hist = train(tfdp.DataParallelStrategy(devices=cpu_devices(2)), make,
@@ -359,7 +361,8 @@ def test_two_workers_two_replicas_accumulate_like_one_device(tmp_path, case):
 
     x, y = classification_data()
     w0 = initial_weights(deep_mlp)
-    ds = lambda batch: tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)  # noqa: E731
+    def ds(batch):
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
     reference = deep_mlp()
     reference.set_weights(w0)
     compile_for(reference, MW_CASES[case](sharded=False))

@@ -222,7 +222,8 @@ def test_mixed_precision_loss_scaling_sharded_equals_unsharded():
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         w0 = initial_weights(model_fn)
-        opt = lambda: keras.optimizers.Adam(0.01)  # noqa: E731 (Keras wraps it in a LossScaleOptimizer)
+        def opt():  # Keras wraps it in a LossScaleOptimizer
+            return keras.optimizers.Adam(0.01)
         plain = train(tfdp.DataParallelStrategy(devices=cpu_devices(4)), model_fn, opt, data, w0)
         model = train(zero3(), model_fn, opt, data, w0)
         ref = train(None, model_fn, opt, data, w0)

@@ -20,14 +20,14 @@ import threading
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-import keras  # noqa: E402
+import numpy as np
+import tensorflow as tf
+import keras
 
-import tfdp  # noqa: E402
+import tfdp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from helpers import classification_data, initial_weights, mlp  # noqa: E402
+from helpers import classification_data, initial_weights, mlp
 
 out = os.environ["TFDP_TEST_OUT"]
 epochs = int(os.environ.get("TFDP_TEST_EPOCHS", "2"))
@@ -75,7 +75,7 @@ class Record(keras.callbacks.Callback):
                 f.write(str(os.getpid()))
             os.replace(os.path.join(out, f"held-{rank}.tmp"), os.path.join(out, f"held-{rank}"))
             waiting = threading.Event()
-            while not backup._watcher.requested:  # noqa: SLF001  until the test's SIGTERM
+            while not backup._watcher.requested:  # until the test's SIGTERM
                 waiting.wait(0.01)
 
 

@@ -13,7 +13,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
 svc = tf.data.experimental.service
 dispatcher = svc.DispatchServer(svc.DispatcherConfig(port=0))

@@ -9,9 +9,9 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
-import tfdp  # noqa: E402
+import tfdp
 
 tfdp.configure_cpu_replicas(2)
 strategy = tfdp.DataParallelStrategy(timeout_seconds=2.0)

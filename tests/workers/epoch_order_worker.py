@@ -11,10 +11,10 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
+import keras
 
-import tfdp  # noqa: E402
-import epoch_order_cases as cases  # noqa: E402
+import tfdp
+import epoch_order_cases as cases
 
 strategy = tfdp.DataParallelStrategy()
 rank = strategy.cluster.rank

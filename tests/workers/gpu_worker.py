@@ -13,8 +13,8 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
 
 
 def split_first_gpu(n):
@@ -79,7 +79,8 @@ def compression(kind):
     from helpers import classification_data, initial_weights, mlp, train
 
     x, y = classification_data()
-    sgd = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
+    def sgd():
+        return keras.optimizers.SGD(0.1)
     ref, _ = train(None, mlp, sgd, x, y, 64, weights=initial_weights(mlp))
     try:
         got, _ = train(tfdp.DataParallelStrategy(compression=kind), mlp, sgd, x, y, 64,

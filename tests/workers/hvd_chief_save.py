@@ -15,11 +15,11 @@ import os
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import tensorflow as tf
 
-import tfdp  # noqa: E402
-from helpers import classification_data, mlp  # noqa: E402
+import tfdp
+from helpers import classification_data, mlp
 
 out = os.environ["TFDP_TEST_OUT"]
 strategy = tfdp.DataParallelStrategy()

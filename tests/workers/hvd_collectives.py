@@ -11,10 +11,10 @@ import json
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
 
-import tfdp.horovod as hvd  # noqa: E402
+import tfdp.horovod as hvd
 
 hvd.init()
 N, R = hvd.size(), hvd.rank()

@@ -11,7 +11,7 @@ NAMES = ["HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SI
 before = {name: os.environ.get(name) for name in NAMES}
 print("before import:", json.dumps(before), flush=True)
 
-import tfdp.horovod as hvd  # noqa: E402
+import tfdp.horovod as hvd  # noqa: E402  (after reading the variables it may set)
 
 hvd.init()
 reported = {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),

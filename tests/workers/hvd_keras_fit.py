@@ -18,13 +18,13 @@ import os
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-import tfdp.horovod.keras as hvd  # noqa: E402  (was: import horovod.tensorflow.keras as hvd)
+import tfdp.horovod.keras as hvd  # was: import horovod.tensorflow.keras as hvd
 
-from helpers import classification_data, mlp  # noqa: E402
+from helpers import classification_data, mlp
 
 hvd.init()
 gpus = tf.config.experimental.list_physical_devices("GPU")

@@ -17,12 +17,12 @@ import sys
 
 os.environ["KERAS_BACKEND"] = "tensorflow"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import tfdp  # noqa: E402,F401  (the one added line)
+import tfdp  # noqa: F401  (the one added line)
 
-import keras_distribution_guide as guide  # noqa: E402
+import keras_distribution_guide as guide
 
 if sys.argv[1:] == ["initialize"]:
     keras.distribution.initialize()  # KERAS_DISTRIBUTION_* from the environment

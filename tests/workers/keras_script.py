@@ -32,14 +32,14 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-import keras  # noqa: E402
+import numpy as np
+import tensorflow as tf
+import keras
 
-import tfdp  # noqa: E402
+import tfdp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from helpers import classification_data, initial_weights, mlp  # noqa: E402
+from helpers import classification_data, initial_weights, mlp
 
 GLOBAL_BATCH = 32
 PROBE = classification_data(n=256)[0][:16]

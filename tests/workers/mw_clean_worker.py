@@ -18,11 +18,11 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import tensorflow as tf
 
-import tfdp  # noqa: E402
-from helpers import classification_data, mlp  # noqa: E402
+import tfdp
+from helpers import classification_data, mlp
 
 slow_rank = int(os.environ.get("TFDP_TEST_SLOW_RANK", "2"))
 slow_seconds = float(os.environ.get("TFDP_TEST_SLOW_SECONDS", "12"))

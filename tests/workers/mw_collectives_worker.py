@@ -18,14 +18,14 @@ import json
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import tensorflow as tf
 
-import tfdp  # noqa: E402
-from tfdp.resilience import stragglers  # noqa: E402
-from tfdp.strategy import timing  # noqa: E402
+import tfdp
+from tfdp.resilience import stragglers
+from tfdp.strategy import timing
 
-from helpers import classification_data, initial_weights, mlp  # noqa: E402
+from helpers import classification_data, initial_weights, mlp
 
 strategy = tfdp.DataParallelStrategy()
 timer = stragglers.StepTimer()
@@ -84,7 +84,7 @@ for sharded in (False, True):
     name = "sharded" if sharded else "adam"
     result[name], _ = fit(False, sharded)
     result[name + "_backup"], backup = fit(True, sharded)
-    result[name + "_rides"] = backup._stop.rides_with_gradients  # noqa: SLF001
+    result[name + "_rides"] = backup._stop.rides_with_gradients
 result["adam_own_step"], _ = fit(False, False, own_step=True)
 result["losses_riding"] = fit.losses[(False, False)]
 result["losses_keras"] = fit.losses[(False, True)]

@@ -5,10 +5,10 @@ import json
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
-import tfdp  # noqa: E402
-from data_helpers import read_epoch_with_collectives  # noqa: E402
+import tfdp
+from data_helpers import read_epoch_with_collectives
 
 out, files_glob = os.environ["TFDP_TEST_OUT"], os.environ["TFDP_TEST_FILES"]
 rank = int(os.environ["TFDP_RANK"])

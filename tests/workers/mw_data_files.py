@@ -12,11 +12,11 @@ import os
 import pathlib
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
 
-import tfdp  # noqa: E402
-from data_helpers import read_epoch_with_collectives  # noqa: E402
+import tfdp
+from data_helpers import read_epoch_with_collectives
 
 out, data = os.environ["TFDP_TEST_OUT"], pathlib.Path(os.environ["TFDP_TEST_DATA"])
 rank = int(os.environ["TFDP_RANK"])
@@ -112,13 +112,16 @@ print(f"rank {rank}: agreement done", flush=True)
 # again. Keras keeps one train function per model; tfdp traces it once per kind of input, so
 # the second fit agrees on the end of data (worker 0 has fewer batches: without the
 # agreement it would wait forever for worker 1's all-reduce).
-import keras  # noqa: E402
+import keras  # noqa: E402  (the Keras half of the script starts here)
 
 with strategy.scope():
     model = keras.Sequential([keras.Input(()), keras.layers.Reshape((1,)), keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")
-as_pairs = lambda ds: ds.map(lambda i: (tf.cast(i, tf.float32) / 100.0,  # noqa: E731
-                                         tf.cast(i, tf.float32) / 100.0))
+
+
+def as_pairs(ds):
+    return ds.map(lambda i: (tf.cast(i, tf.float32) / 100.0, tf.cast(i, tf.float32) / 100.0))
+
 exact = tfdp.data.distribute(strategy, as_pairs(pipelines["tfrecord_list"][0]()), 8,
                              shard_policy="file")
 agreeing = tfdp.data.distribute(strategy, as_pairs(pipelines["text_lines"][0]()), 8,

@@ -8,13 +8,13 @@ import json
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-import keras  # noqa: E402
+import numpy as np
+import tensorflow as tf
+import keras
 
-import tfdp  # noqa: E402
-from data_helpers import read_epoch_with_collectives  # noqa: E402
-from helpers import classification_data, initial_weights, mlp  # noqa: E402
+import tfdp
+from data_helpers import read_epoch_with_collectives
+from helpers import classification_data, initial_weights, mlp
 
 out, service = os.environ["TFDP_TEST_OUT"], os.environ["TFDP_TEST_SERVICE"]
 rank = int(os.environ["TFDP_RANK"])

@@ -12,10 +12,10 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import tfdp  # noqa: E402
-import keras_hub_cases as cases  # noqa: E402
+import tfdp
+import keras_hub_cases as cases
 
 out = os.environ["TFDP_TEST_OUT"]
 strategy = tfdp.DataParallelStrategy()

@@ -19,12 +19,12 @@ import os
 import threading
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-import tfdp  # noqa: E402
-from tfdp.cluster import ClusterConfig  # noqa: E402
+import tfdp
+from tfdp.cluster import ClusterConfig
 
 case = os.environ["TFDP_TEST_CASE"]
 skipper = os.environ.get("TFDP_TEST_SKIP", "1")
@@ -55,20 +55,24 @@ if case == "hvd_broadcast":
     # Both ranks meet once first (the engine is built then, as in a script that averaged a
     # metric): the call under test is not the job's first collective.
     hvd.allreduce(tf.constant(1.0))
-    call = lambda: hvd.broadcast_variables(variables, root_rank=0)  # noqa: E731
+    def call():
+        return hvd.broadcast_variables(variables, root_rank=0)
 elif case == "zero3_save":
     model, _ = zero3_model()
     path = os.path.join(os.environ["TFDP_TEST_OUT"], f"weights-{rank}.weights.h5")
-    call = lambda: model.save_weights(path)  # noqa: E731
+    def call():
+        return model.save_weights(path)
 elif case == "evaluate":
     model, x = zero3_model(shard_parameters=False)
     # A distributed input, as fit's.
     data = tfdp.data.distribute(model.distribute_strategy, tf.data.Dataset.from_tensor_slices(
         (x, np.zeros((len(x), 4), "float32"))), global_batch_size=16)
-    call = lambda: model.evaluate(data, verbose=0)  # noqa: E731
+    def call():
+        return model.evaluate(data, verbose=0)
 elif case == "zero3_predict":
     model, x = zero3_model()
-    call = lambda: model.predict(x, batch_size=16, verbose=0)  # noqa: E731
+    def call():
+        return model.predict(x, batch_size=16, verbose=0)
 else:
     raise SystemExit(f"unknown TFDP_TEST_CASE={case!r}")
 
@@ -78,7 +82,7 @@ if skips:
 print(f"rank {rank}: calling {case}", flush=True)
 try:
     call()
-except Exception as e:  # noqa: BLE001  (the test reads the type and message)
+except Exception as e:  # the test reads the type and message
     message = getattr(e, "message", None) or str(e)
     print(f"rank {rank}: {type(e).__name__}: {message}", flush=True)
     raise SystemExit(1)

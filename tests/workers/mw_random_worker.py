@@ -10,16 +10,16 @@ order) and the trained weights of both to ``$TFDP_TEST_OUT/rank<r>.npz``.
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import numpy as np  # noqa: E402
+import numpy as np
 
-import tfdp  # noqa: E402
+import helpers
+import tfdp
 
-from random_cases import dropout_mlp, replica_draws, train_dropout  # noqa: E402
+from random_cases import dropout_mlp, replica_draws, train_dropout
 
 strategy = tfdp.DataParallelStrategy()
 rank = strategy.cluster.rank
 local = replica_draws(strategy)
-import helpers  # noqa: E402
 model_fn = dropout_mlp if os.environ.get("TFDP_TEST_MODEL") != "mlp" else helpers.mlp
 weights = train_dropout(strategy, model_fn)
 # The same training on the plain batched dataset: TensorFlow's own distribution of it.

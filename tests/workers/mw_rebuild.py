@@ -25,13 +25,13 @@ import time
 import traceback
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-import tfdp  # noqa: E402
-from tfdp.cluster import ClusterConfig  # noqa: E402
-from helpers import classification_data, initial_weights, mlp  # noqa: E402
+import tfdp
+from tfdp.cluster import ClusterConfig
+from helpers import classification_data, initial_weights, mlp
 
 out = os.environ["TFDP_TEST_OUT"]
 rounds = int(os.environ.get("TFDP_TEST_ROUNDS", "6"))

@@ -11,20 +11,19 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-import keras  # noqa: E402
+import numpy as np
+import tensorflow as tf
+import keras
 
-import tfdp  # noqa: E402
-from recommender_cases import GLOBAL_BATCH, SMALL_ROUNDS_BUCKET_BYTES, build, data  # noqa: E402
+import tfdp
+from tfdp.optimizers import exchange
+from recommender_cases import GLOBAL_BATCH, SMALL_ROUNDS_BUCKET_BYTES, build, data
 
 rank = int(os.environ.get("TFDP_RANK", "0"))
 out = os.environ["TFDP_TEST_OUT"]
 
-from tfdp.optimizers import exchange  # noqa: E402
-
 tables = 0
-_broadcast_whole = exchange._broadcast_whole  # noqa: SLF001
+_broadcast_whole = exchange._broadcast_whole
 
 
 def counting_broadcast_whole(*args, **kwargs):  # counts the whole-table broadcasts as traced
@@ -33,7 +32,7 @@ def counting_broadcast_whole(*args, **kwargs):  # counts the whole-table broadca
     return _broadcast_whole(*args, **kwargs)
 
 
-exchange._broadcast_whole = counting_broadcast_whole  # noqa: SLF001
+exchange._broadcast_whole = counting_broadcast_whole
 strategy = tfdp.DataParallelStrategy(bucket_bytes=SMALL_ROUNDS_BUCKET_BYTES)
 x, y = data()
 with strategy.scope():

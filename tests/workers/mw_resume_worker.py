@@ -41,7 +41,7 @@ import threading
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-from tfdp.cluster import ClusterConfig  # noqa: E402  (pure Python)
+from tfdp.cluster import ClusterConfig  # pure Python
 
 # tfdp-run gives a slot; a scheduler's plain relaunch has only TF_CONFIG (slot = rank).
 slot = int(os.environ.get("TFDP_SLOT", ClusterConfig.from_env().rank))
@@ -56,12 +56,12 @@ if broken is not None and int(broken) == slot and attempt >= 1:
     print(f"slot {slot}: this host is gone (attempt {attempt})", flush=True)
     sys.exit(1)
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-import keras  # noqa: E402
+import numpy as np  # noqa: E402  (after the pid file and a gone host's exit)
+import tensorflow as tf  # noqa: E402  (after the pid file and a gone host's exit)
+import keras  # noqa: E402  (after the pid file and a gone host's exit)
 
-import tfdp  # noqa: E402
-from helpers import classification_data, initial_weights, mlp  # noqa: E402
+import tfdp  # noqa: E402  (after the pid file and a gone host's exit)
+from helpers import classification_data, initial_weights, mlp  # noqa: E402  (after the pid file and a gone host's exit)
 
 epochs = int(os.environ.get("TFDP_TEST_EPOCHS", "3"))
 n = int(os.environ.get("TFDP_TEST_N", "256"))
@@ -72,7 +72,7 @@ save_freq = save_freq if save_freq == "epoch" else int(save_freq)
 pace = float(os.environ.get("TFDP_TEST_PACE_MS", "0")) / 1000.0
 
 if os.environ.get("TFDP_TEST_JIT"):
-    import logging  # noqa: E402
+    import logging
     logging.basicConfig(format="%(message)s")
     logging.getLogger("tfdp").setLevel(logging.INFO)
 strategy = tfdp.DataParallelStrategy()
@@ -182,7 +182,7 @@ class Record(keras.callbacks.Callback):
                 f.write(str(os.getpid()))
             os.replace(os.path.join(out, f"held-{slot}.tmp"), os.path.join(out, f"held-{slot}"))
             received = threading.Event()
-            while not backup._watcher.requested:  # noqa: SLF001  wait for the test's SIGTERM
+            while not backup._watcher.requested:  # wait for the test's SIGTERM
                 received.wait(0.01)
 
 

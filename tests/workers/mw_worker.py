@@ -22,12 +22,12 @@ if int(fail_rank) == rank and fail_how == "hang-before-strategy":
     while True:  # a worker that never joins: the others block in the strategy constructor
         time.sleep(1)
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-import keras  # noqa: E402
+import numpy as np  # noqa: E402  (after the hang-before-strategy branch)
+import tensorflow as tf  # noqa: E402  (after the hang-before-strategy branch)
+import keras  # noqa: E402  (after the hang-before-strategy branch)
 
-import tfdp  # noqa: E402
-from helpers import classification_data, initial_weights, mlp  # noqa: E402
+import tfdp  # noqa: E402  (after the hang-before-strategy branch)
+from helpers import classification_data, initial_weights, mlp  # noqa: E402  (after the hang-before-strategy branch)
 
 out = os.environ["TFDP_TEST_OUT"]
 epochs = int(os.environ.get("TFDP_TEST_EPOCHS", "2"))

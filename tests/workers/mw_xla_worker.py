@@ -14,15 +14,15 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-import keras  # noqa: E402
+import numpy as np
+import tensorflow as tf
+import keras
 
-import tfdp  # noqa: E402
-from tfdp.strategy import devices  # noqa: E402
+import tfdp
+from tfdp.strategy import devices
 from tfdp.strategy import xla
-import xla_cases  # noqa: E402
-from helpers import mlp  # noqa: E402
+import xla_cases
+from helpers import mlp
 
 rank = int(os.environ.get("TFDP_RANK", "0"))
 out = os.environ["TFDP_TEST_OUT"]

@@ -14,12 +14,12 @@ import shutil
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
 
-import tfdp  # noqa: E402
-from helpers import classification_data, deep_mlp, initial_weights  # noqa: E402
-from zero2_cases import MICRO_BATCH, MW_CASES, compile_for  # noqa: E402
+import tfdp
+from helpers import classification_data, deep_mlp, initial_weights
+from zero2_cases import MICRO_BATCH, MW_CASES, compile_for
 
 rank = int(os.environ.get("TFDP_RANK", "0"))
 out = os.environ["TFDP_TEST_OUT"]

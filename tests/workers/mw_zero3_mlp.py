@@ -12,11 +12,11 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-import tfdp  # noqa: E402
+import tfdp
 
 EXAMPLES, GLOBAL_BATCH, EPOCHS = 128, 16, 2
 

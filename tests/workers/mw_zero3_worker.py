@@ -23,12 +23,12 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
 
-import tfdp  # noqa: E402
-from helpers import classification_data, initial_weights  # noqa: E402
-from zero3_cases import MODELS, OPTIMIZERS, compile_for  # noqa: E402
+import tfdp
+from helpers import classification_data, initial_weights
+from zero3_cases import MODELS, OPTIMIZERS, compile_for
 
 rank = int(os.environ.get("TFDP_RANK", "0"))
 out = os.environ["TFDP_TEST_OUT"]
@@ -54,7 +54,7 @@ if os.environ.get("TFDP_TEST_SAVE_ON", "all") == "chief":
         try:
             model.save(os.path.join(out, "model.keras"))
             weights = model.get_weights()
-        except Exception as e:  # noqa: BLE001 (the test reads the type and message)
+        except Exception as e:  # the test reads the type and message
             print(f"rank 0: {type(e).__name__} at {time.time():.3f}: {e}", flush=True)
             sys.exit(1)  # a failing exit (tfdp's orderly exit records sys.exit's code)
         print(f"rank 0: saved in {time.monotonic() - start:.1f} s", flush=True)

@@ -15,12 +15,12 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-import keras  # noqa: E402
+import numpy as np
+import tensorflow as tf
+import keras
 
-import tfdp  # noqa: E402
-from helpers import classification_data, initial_weights, mlp  # noqa: E402  (PYTHONPATH)
+import tfdp
+from helpers import classification_data, initial_weights, mlp  # PYTHONPATH
 
 out = os.environ["TFDP_TEST_OUT"]
 rows = int(os.environ.get("TFDP_TEST_ROWS", "240"))

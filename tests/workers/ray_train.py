@@ -24,12 +24,12 @@ import signal
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import keras
+import tensorflow as tf
 
-import tfdp  # noqa: E402
-from helpers import classification_data, initial_weights, mlp  # noqa: E402  (PYTHONPATH)
+import tfdp
+from helpers import classification_data, initial_weights, mlp  # PYTHONPATH
 
 
 def train_two_sources(config):

@@ -18,11 +18,11 @@ import json
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
-import tfdp  # noqa: E402
-from data_helpers import read_epoch_with_collectives  # noqa: E402
-from tfdp.data import plan as plan_lib  # noqa: E402
+import tfdp
+from data_helpers import read_epoch_with_collectives
+from tfdp.data import plan as plan_lib
 
 out = os.environ["TFDP_TEST_OUT"]
 rank = int(os.environ["TFDP_RANK"])
