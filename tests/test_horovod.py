@@ -90,11 +90,11 @@ def test_unimplemented_names_say_what_to_use():
     with pytest.raises(NotImplementedError, match="process sets"):
         hvd.add_process_set([0])
     with pytest.raises(NotImplementedError, match="Adasum"):
-        hvd.collectives._resolve_op(None, hvd.Adasum)
+        hvd.collectives.resolve_op(None, hvd.Adasum)
 
 
 def test_tf_private_calls_init_relies_on_exist():
-    context = _tf_private._eager_context.context()
+    context = _tf_private.tf_eager_context.context()
     _tf_private.require_attributes(type(context),
                                    _tf_private.COLLECTIVE_RUNTIME_CONTEXT_METHODS, "test")
     assert isinstance(_tf_private.eager_context_initialized(), bool)

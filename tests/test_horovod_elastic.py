@@ -158,18 +158,18 @@ def test_a_commit_is_durable_and_resumes_variables_and_attributes(tmp_path, monk
     fresh.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
     again = elastic.KerasState(fresh, epoch=0, batch=0)
     again._key = state._key
-    assert again._resume()
+    assert again.resume_from_commit()
     assert (again.epoch, again.batch) == (4, 2) and fresh.optimizer.built
     for a, b in zip(fresh.get_weights(), weights):
         assert (a == b).all()
     other = elastic.ObjectState(step=0)
     other._key = extra._key
-    assert other._resume() and other.step == 7
+    assert other.resume_from_commit() and other.step == 7
     with pytest.raises(ValueError, match="same model"):
         bigger = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)])
         wrong = elastic.TensorFlowState(bigger.variables[:1], epoch=0)
         wrong._key = state._key
-        wrong._resume()
+        wrong.resume_from_commit()
     assert issubclass(elastic.HostsUpdatedInterrupt, RuntimeError)
     assert elastic.HostsUpdatedInterrupt(skip_sync=True).skip_sync
 

@@ -28,7 +28,8 @@ import signal
 import threading
 from typing import Callable
 
-__all__ = ["reset", "describe", "register", "HOLDERS", "Holder", "HANDLED_SIGNALS"]
+# ``HOLDERS`` (the registered tuple, module ``__getattr__``) stays readable but is not exported.
+__all__ = ["reset", "describe", "register", "Holder", "HANDLED_SIGNALS"]
 
 # The signals tfdp installs handlers for (preemption, Slurm's warning, the orderly exit).
 HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")

@@ -128,7 +128,7 @@ def fresh_rounds(before):
             argv = harness.command(__file__, f"--child={variant}", *harness.forward(
                 FLAGS, "dir", "files", "replicas", "global_batch"))
             out = harness.run(argv, env=env, timeout=300, cwd="/" if tree else None)
-            line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+            line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
             if out.returncode or not line:
                 raise RuntimeError(f"{variant} ({tree or 'this tree'}) failed:\n{out.stderr[-3000:]}")
             _, _, seconds, module = line[0].split(" ", 3)
@@ -284,8 +284,8 @@ def warm_measurements(tf, paths, total):
     fig, ax = plt.subplots(figsize=(10, 4.5))
     labels = [r["measurement"] for r in rows][::-1]
     values = [r["seconds"] for r in rows][::-1]
-    colors = ["tab:gray" if "full read" in l else "tab:red" if "previous" in l else
-              "tab:purple" if "count_records" in l else "tab:blue" for l in labels]
+    colors = ["tab:gray" if "full read" in label else "tab:red" if "previous" in label else
+              "tab:purple" if "count_records" in label else "tab:blue" for label in labels]
     ax.barh(labels, values, color=colors)
     ax.set_xscale("log")
     ax.set_xlabel("seconds (log scale)")

@@ -353,7 +353,7 @@ def run_job(model, mode, tmp):
     reader.start()
     try:
         if not _wait_for(os.path.join(out, "kill-me"), proc, time.time() + TIMEOUT):
-            raise RuntimeError("no kill signal from worker 1:\n" + "".join(l for _, l in lines[-40:]))
+            raise RuntimeError("no kill signal from worker 1:\n" + "".join(ln for _, ln in lines[-40:]))
         with open(os.path.join(out, "kill-me")) as f:
             pid = int(f.read())
         kill = time.time()

@@ -105,8 +105,8 @@ def run_child(args, multi_worker=False):
     proc = harness.run(cmd, env=harness.child_env(ROOT), timeout=600)
     results = harness.results(proc.stdout)
     if proc.returncode != 0 or not results:
-        errors = [l for l in (proc.stdout + proc.stderr).splitlines()
-                  if "Error" in l and "oneDNN" not in l]
+        errors = [ln for ln in (proc.stdout + proc.stderr).splitlines()
+                  if "Error" in ln and "oneDNN" not in ln]
         tail = errors[-2:] or (proc.stdout + proc.stderr).strip().splitlines()[-2:]
         return None, " | ".join(t.strip()[:300] for t in tail)
     return results[0], None  # worker 0's line comes first with tfdp-run? take any: they agree

@@ -116,7 +116,7 @@ class DutyCycle(threading.Thread):
 
 def read_steps(path):
     with open(path) as f:
-        return [(int(a), int(i), float(t)) for a, i, t in (l.split() for l in f if l.strip())]
+        return [(int(a), int(i), float(t)) for a, i, t in (ln.split() for ln in f if ln.strip())]
 
 
 def run_job(evict):
@@ -204,8 +204,8 @@ def main(argv):
         results[evict] = {"records": records, "t0": t0, "slowed_at": slowed_at - t0,
                           "healthy": rate(before), "slowed": rate(slowed), "after": rate(after),
                           "total_s": records[-1][2] - t0, "history": history,
-                          "named": [l.split("tfdp: ", 1)[1].strip() for l in lines
-                                    if "tfdp: straggler: rank" in l]}
+                          "named": [ln.split("tfdp: ", 1)[1].strip() for ln in lines
+                                    if "tfdp: straggler: rank" in ln]}
         print(f"  steps/s healthy {rate(before):.1f}, with straggler {rate(slowed):.1f}"
               + (f", after eviction {rate(after):.1f}" if evict else "")
               + f"; job {records[-1][2] - t0:.0f} s", flush=True)

@@ -304,7 +304,6 @@ def main(argv):
 def _memory_and_time(FLAGS):
     import numpy as np
     import keras
-    import tensorflow as tf
 
     import tfdp
     from tfdp.optimizers.sharded_state import variable_bytes_per_device

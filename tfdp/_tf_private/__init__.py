@@ -112,8 +112,6 @@ from tfdp._tf_private.coordination import (
     wait_at_coordination_barrier,
 )
 
-# tests/test_horovod.py's spelling from before the module was public here.
-_eager_context = tf_eager_context
 from tfdp._tf_private.keras_trainer import (
     keras_call_has_training_arg,
     keras_compute_loss,

@@ -24,7 +24,7 @@ from tensorflow.python.distribute.collective_all_reduce_strategy import (
 
 # Why: the public MultiWorkerMirroredStrategy constructor always builds its own extended
 # object from TF_CONFIG; tfdp calls the base Strategy constructor with its own extended.
-from tensorflow.python.distribute.distribute_lib import Strategy as StrategyBase
+from tensorflow.python.distribute.distribute_lib import Strategy as StrategyBase  # noqa: F401 (re-exported by the package)
 
 # Why: the per-replica values Keras hands to Strategy.reduce are instances of this class;
 # there is no public isinstance check for "PerReplica".
@@ -34,7 +34,7 @@ from tensorflow.python.distribute.values import DistributedValues
 # creator's colocate_with is a SingleDevice; ShardedOptimizer uses this to place each
 # partition's optimizer state on its owner's device only. No public API creates a
 # single-device variable inside a strategy scope.
-from tensorflow.python.distribute.numpy_dataset import SingleDevice
+from tensorflow.python.distribute.numpy_dataset import SingleDevice  # noqa: F401 (re-exported by the package)
 
 # Why: TensorFlow exposes no all-to-all on ReplicaContext, and its reduce-scatter op has
 # no CPU kernel. The op must use the strategy's own collective launcher's group key,
@@ -288,7 +288,7 @@ def abort_collective_ops(message: str) -> None:
 # convert when the caller's status says so. No public API adds a rule; the rules are a tuple
 # AutoGraph reads at each call (``conversion.is_allowlisted``), replaced here through the patch
 # registry (``restore_patches`` puts TensorFlow's tuple back).
-from tensorflow.python.autograph.core import config as _autograph_config
+from tensorflow.python.autograph.core import config as _autograph_config  # noqa: E402 (beside the patch it serves)
 
 
 def patch_autograph_leaves_module(prefix: str) -> None:

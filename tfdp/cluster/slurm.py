@@ -198,7 +198,7 @@ def worker_ports(layout: Sequence[tuple], job_id: int, step_id: int,
             a bad ``TFDP_PORT_BASE``.
     """
     num_tasks = len(layout)
-    offsets = list(range(num_tasks)) if num_tasks <= PORTS_PER_STEP else [l for _, l in layout]
+    offsets = list(range(num_tasks)) if num_tasks <= PORTS_PER_STEP else [local for _, local in layout]
     if max(offsets) >= PORTS_PER_STEP:
         raise _error("SLURM_STEP_TASKS_PER_NODE", max(offsets) + 1,
                      f"more than {PORTS_PER_STEP} tasks of one step on a node do not fit the "

@@ -36,4 +36,4 @@ from tfdp.data.sources import Files, Service
 __all__ = ["distribute", "Files", "Service", "DataShardingError", "per_replica_batch_size",
            "choose_shard_policy", "steps_per_epoch", "resume_is_exact", "latest_distributed",
            "write_tfrecord_shards", "tfrecord_parser", "count_records", "record_counts",
-           "INDEX_FILENAME", "from_ray"]
+           "INDEX_FILENAME", "from_ray", "SHARD_POLICIES"]

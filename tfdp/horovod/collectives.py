@@ -122,9 +122,6 @@ def resolve_op(average, op):
     return op
 
 
-_resolve_op = resolve_op  # tests/test_horovod.py's spelling
-
-
 # --- running in the engine's replica context -------------------------------------------------
 _cache: dict = {}
 _cache_lock = threading.Lock()

@@ -225,8 +225,6 @@ class State:
             found = bool(collectives.broadcast_object(found, 0))
         return found
 
-    _resume = resume_from_commit  # tests/test_horovod_elastic.py's spelling
-
     def request_rerun(self) -> None:
         """Asks ``@run`` to call the function again once it returns: a resumed partial epoch
         ended early, and Keras 3 cannot shorten an epoch (the module docstring)."""

@@ -55,7 +55,7 @@ import signal
 from typing import Optional, Sequence, Union
 
 from tfdp.protocol import (EXIT_HOST_UNREACHABLE, EXIT_INTERRUPTED, EXIT_NEVER_JOINED,
-                           EXIT_PREEMPTED, EXIT_RESTART_REQUESTED, EXIT_TERMINATED, EXIT_TIMEOUT,
+                           EXIT_RESTART_REQUESTED, EXIT_TERMINATED, EXIT_TIMEOUT,
                            describe_exit, exit_code_of)
 
 __all__ = ["EXIT_TIMEOUT", "EXIT_NEVER_JOINED", "EXIT_INTERRUPTED", "EXIT_TERMINATED",
