@@ -67,12 +67,12 @@ def import_tensorflow_quietly():
 # --compile-cache) by setting TF_XLA_FLAGS, and in a script run by absl's app.run, as every
 # example is, TensorFlow imported first has already read them: the cache stayed off and a
 # restarted worker compiled again (measured, TF 2.21; tools/bench_restart.py).
-import tfdp  # noqa: E402,F401
+import tfdp  # noqa: E402,F401 (before TensorFlow, see above)
 
 import_tensorflow_quietly()
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras  # noqa: E402 (after the quiet TensorFlow import)
+import numpy as np  # noqa: E402 (after the quiet TensorFlow import)
 
 
 def load_digits(test_fraction=0.2, seed=0, image=False):

@@ -40,12 +40,12 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is imported
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402,F401  (imports TensorFlow without its C++ startup notices)
+import common  # noqa: F401 (imports TensorFlow without its C++ startup notices)
 
-import tensorflow as tf  # noqa: E402
-from absl import app, flags  # noqa: E402
+import tensorflow as tf
+from absl import app, flags
 
-import tfdp  # noqa: E402
+import tfdp
 
 FLAGS = flags.FLAGS
 

@@ -24,7 +24,7 @@ from absl import app, flags
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402,F401  (imports TensorFlow without its C++ startup notices)
+import common  # noqa: F401 (imports TensorFlow without its C++ startup notices)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "small_cnn", "small_cnn, or a keras.applications model name.")

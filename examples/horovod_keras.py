@@ -23,7 +23,7 @@ from absl import app, flags
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  (imports TensorFlow without its C++ startup notices)
+import common  # imports TensorFlow without its C++ startup notices
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("batch_size", 32, "Batch size per process.")

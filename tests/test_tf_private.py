@@ -425,7 +425,7 @@ def test_collective_ops_patch_times_every_collective_of_a_step():
         timer.stop()
     assert timing.collectives_executed() - before == 3 * 2
     means, _ = timer.window()  # no step closed: nothing averaged, waits were recorded
-    assert means == [0.0] * 5 and len(timer._waits) == 6  # noqa: SLF001
+    assert means == [0.0] * 5 and len(timer._waits) == 6
 
 
 def test_autograph_user_function_converts_beneath_do_not_convert():

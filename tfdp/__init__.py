@@ -38,8 +38,8 @@ __all__ = ["callbacks", "ClusterConfig", "ClusterConfigError", "compile_gradient
 
 def _load_tensorflow_side():
     try:
-        import tensorflow  # noqa: F401
-        import keras  # noqa: F401
+        import tensorflow  # noqa: F401 (only whether it imports)
+        import keras  # noqa: F401 (only whether it imports)
     except ImportError as error:
         # The launcher and tfdp.cluster need neither, so TensorFlow is an extra of the package.
         raise ImportError(
@@ -86,6 +86,6 @@ if _sys.modules.get("keras") is not None or _sys.modules.get("tensorflow") is no
 # keras.distribution on the TensorFlow backend runs through tfdp (docs/keras_distribution.md):
 # now if Keras is imported, else when it is (a one-shot import hook; nothing of TensorFlow
 # is imported here).
-from tfdp import keras_distribution as _keras_distribution  # noqa: E402
+from tfdp import keras_distribution as _keras_distribution  # noqa: E402 (after the exports it wraps)
 
 _keras_distribution.install_when_keras_loads()

@@ -3,5 +3,5 @@
 Kept as a module of its own because ``tfdp.schedules.WarmupCosineDecay`` is a public spelling.
 """
 
-from tfdp.optimizers.schedules import *  # noqa: F401,F403
-from tfdp.optimizers.schedules import __all__  # noqa: F401
+from tfdp.optimizers.schedules import *  # noqa: F403 (a shim: the whole module)
+from tfdp.optimizers.schedules import __all__  # noqa: F401 (the shim's exports)

@@ -91,7 +91,9 @@ def time_one_variant(variant):
     devices = [f"/device:CPU:{i}" for i in range(FLAGS.replicas)]
     paths = [os.path.join(FLAGS.dir, f"part-{k:05d}.tfrecord") for k in range(FLAGS.files)]
     description = {"id": tf.io.FixedLenFeature([], tf.int64)}
-    parse = lambda r: tf.io.parse_single_example(r, description)["id"]  # noqa: E731
+    def parse(r):
+        return tf.io.parse_single_example(r, description)["id"]
+
     if variant == "mirrored":
         strategy = tf.distribute.MirroredStrategy(devices)
     else:
@@ -209,7 +211,9 @@ def warm_measurements(tf, paths, total):
     index = os.path.join(FLAGS.dir, tdata.INDEX_FILENAME)
     aside = index + ".aside"
     description = {"id": tf.io.FixedLenFeature([], tf.int64)}
-    parse = lambda r: tf.io.parse_single_example(r, description)["id"]  # noqa: E731
+    def parse(r):
+        return tf.io.parse_single_example(r, description)["id"]
+
 
     def timed(fn, repeats=FLAGS.repeats):
         times = []
@@ -238,8 +242,12 @@ def warm_measurements(tf, paths, total):
             return int(dist.cardinality)
         return run
 
-    files_source = lambda: tdata.Files(paths, parse_fn=parse)  # noqa: E731
-    native_source = lambda: tf.data.TFRecordDataset(paths).map(parse)  # noqa: E731
+    def files_source():
+        return tdata.Files(paths, parse_fn=parse)
+
+    def native_source():
+        return tf.data.TFRecordDataset(paths).map(parse)
+
     steps = -(-total // FLAGS.global_batch)
     rows = []
 

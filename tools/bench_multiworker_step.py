@@ -50,7 +50,7 @@ from absl import app, flags
 
 import harness
 from harness import HERE, ROOT
-from baselines import patched_mwms  # noqa: E402
+from baselines import patched_mwms
 
 FLAGS = flags.FLAGS
 harness.define_flags(rounds=(1, "Interleaved rounds to run now (appended to --results)."),
@@ -132,9 +132,9 @@ def _load_counter():
     else:
         sys.modules["tfdp._tf_private.core"] = saved_core
     # The timing ops must run order-independently (this tree's rule), whatever tfdp is imported.
-    modules["stragglers"]._independent = lambda t: (  # noqa: SLF001
+    modules["stragglers"]._independent = lambda t: (
         modules["private"].run_independently(getattr(t, "op", t)), t)[1]
-    modules["private"].patch_collective_ops(modules["stragglers"]._timed)  # noqa: SLF001
+    modules["private"].patch_collective_ops(modules["stragglers"]._timed)
     timer = modules["stragglers"].StepTimer()
     timer.listen()
     return modules["stragglers"].collectives_executed

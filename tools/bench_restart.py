@@ -31,20 +31,20 @@ import time
 
 _T_TOP = time.time()  # the child's first moment in Python (before absl and everything else)
 
-import json  # noqa: E402
-import os  # noqa: E402
-import re  # noqa: E402
-import signal  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
+import json  # noqa: E402 (after the clock)
+import os  # noqa: E402 (after the clock)
+import re  # noqa: E402 (after the clock)
+import signal  # noqa: E402 (after the clock)
+import statistics  # noqa: E402 (after the clock)
+import subprocess  # noqa: E402 (after the clock)
+import sys  # noqa: E402 (after the clock)
+import tempfile  # noqa: E402 (after the clock)
+import threading  # noqa: E402 (after the clock)
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags  # noqa: E402 (after the clock)
 
-import harness  # noqa: E402
-from harness import ROOT  # noqa: E402
+import harness  # noqa: E402 (after the clock)
+from harness import ROOT  # noqa: E402 (after the clock)
 
 FLAGS = flags.FLAGS
 

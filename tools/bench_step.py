@@ -19,8 +19,8 @@ from absl import app, flags, logging as absl_logging
 
 import harness
 from harness import ROOT
-from baselines import patched_mwms  # noqa: E402
-from models import build_model  # noqa: E402,F401  (flag-free: shared with other tools)
+from baselines import patched_mwms
+from models import build_model  # flag-free: shared with other tools
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mlp", "convnet", "transformer"], "Models to measure.")
@@ -170,7 +170,9 @@ def main(argv):
             ratio = ours / mir if ours and mir else float("nan")
             rows.append({"model": model, "replicas": n, "onedevice": one, "mirrored": mir,
                          "tfdp": ours, "ratio_tfdp_mirrored": ratio})
-            fmt = lambda v: f"{v:,.0f}" if v else "-"  # noqa: E731
+            def fmt(v):
+                return f"{v:,.0f}" if v else "-"
+
             lines.append(f"| {model} | {n} | {fmt(one)} | {fmt(mir)} | {fmt(ours)} | {ratio:.2f} |")
     if mw:
         a, b = np.median(mw.get("mwms", [np.nan])), np.median(mw.get("tfdp-mw", [np.nan]))

@@ -79,7 +79,7 @@ def _dot_interaction_class():
     return DotInteraction
 
 
-def DotInteraction(**kwargs):  # noqa: N802  (a layer constructor)
+def DotInteraction(**kwargs):  # a layer constructor
     return _dot_interaction_class()(**kwargs)
 
 

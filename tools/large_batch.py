@@ -34,7 +34,7 @@ from absl import app
 # over the script itself for ``import large_batch``.
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
                 os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-from large_batch import cli  # noqa: E402
+from large_batch import cli  # noqa: E402 (after the path it needs)
 
 if __name__ == "__main__":
     app.run(cli.main)

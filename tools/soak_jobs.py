@@ -248,7 +248,7 @@ def run_once(name, index, out_dir, timeout, rebuild_rounds):
     if not timed_out and proc.returncode == 0:
         try:
             error = check()
-        except Exception as e:  # noqa: BLE001  (a check that cannot run is a failed run)
+        except Exception as e:  # a check that cannot run is a failed run
             error = f"check failed: {type(e).__name__}: {e}"
     elif not timed_out:
         error = f"exit {proc.returncode}: {(output or '')[-300:]!r}"

@@ -465,7 +465,9 @@ def _write_markdown(FLAGS, rows, timings, params, n_time, k):
     f32 = [r for r in rows if r["policy"] == "float32"]
     by = {(r["replicas"], r["config"]): r for r in f32}
     counts = sorted({r["replicas"] for r in f32})
-    mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
+    def mib(b):
+        return f"{b / 2**20:.2f}"
+
     lines = [
         "# ZeRO-1/2 memory: optimizer slots, gradient accumulators, EMA (tools/zero_memory.py)", "",
         f"Model: MLP, {FLAGS.depth} hidden layers of {FLAGS.width} ({params:,} parameters Ψ, "

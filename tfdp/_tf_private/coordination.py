@@ -48,7 +48,7 @@ def delete_from_coordination_service(key: str) -> None:
     """Removes ``key`` (no error when it is not there)."""
     try:
         tf_eager_context.context().delete_config_key_value(key)
-    except Exception:  # noqa: BLE001  (tf.errors.OpError: already gone, or the service is)
+    except Exception:  # tf.errors.OpError: already gone, or the service is
         pass
 
 
@@ -159,6 +159,6 @@ def reuse_running_collective_server(extended, cluster_resolver) -> bool:
             or running.job_name != cluster_resolver.task_type
             or running.task_index != cluster_resolver.task_id):
         return False  # none, or another job's: TensorFlow's own path
-    extended._std_server_started = True  # noqa: SLF001
-    extended._enable_check_health = not coordination_service_configured()  # noqa: SLF001
+    extended._std_server_started = True
+    extended._enable_check_health = not coordination_service_configured()
     return True

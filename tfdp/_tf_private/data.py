@@ -74,7 +74,7 @@ def set_distributed_dataset_cardinality(distributed_dataset, steps: int) -> None
     extra step of empty dummy batches, which still moves momentum/Adam state and the
     iteration counter. No public API sets the cardinality of a distributed dataset.
     """
-    distributed_dataset._cardinality = steps  # noqa: SLF001
+    distributed_dataset._cardinality = steps
 
 
 def skip_end_of_data_agreement(distributed_dataset) -> bool:
@@ -90,7 +90,7 @@ def skip_end_of_data_agreement(distributed_dataset) -> bool:
     """
     if not hasattr(distributed_dataset, "_enable_get_next_as_optional"):
         return False
-    distributed_dataset._enable_get_next_as_optional = False  # noqa: SLF001
+    distributed_dataset._enable_get_next_as_optional = False
     return True
 
 

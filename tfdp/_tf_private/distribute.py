@@ -77,7 +77,7 @@ def set_collective_key_base(strategy, base: int) -> None:
     when it builds its key allocator; TensorFlow's own strategies all start at 0, so two in
     one process clash. No public argument sets it.
     """
-    strategy._collective_key_base = base  # noqa: SLF001
+    strategy._collective_key_base = base
 
 
 def extended_num_workers(extended) -> int:
@@ -127,13 +127,13 @@ def all_to_all(launcher, value, options):
     """``t[i]`` goes to group rank i: CollectiveAllToAllV2 with ``launcher``'s keys."""
     import tensorflow as tf
 
-    with tf.device(launcher._device):  # noqa: SLF001
+    with tf.device(launcher._device):
         return tf_collective_ops.all_to_all_v2(
-            value, launcher._group_size, launcher._group_key,  # noqa: SLF001
-            launcher._next_instance_key(),  # noqa: SLF001
+            value, launcher._group_size, launcher._group_key,
+            launcher._next_instance_key(),
             communication_hint=options.implementation.value,
             timeout=options.timeout_seconds or 0,
-            ordering_token=launcher._get_ordering_token())  # noqa: SLF001
+            ordering_token=launcher._get_ordering_token())
 
 
 def all_reduce(launcher, value, options):
@@ -157,7 +157,7 @@ def add_control_input(op, dependency) -> None:
     inside it. ``Operation._add_control_input`` is what TensorFlow's own graph rewriting
     (control flow, automatic control dependencies) uses on ops that exist.
     """
-    op._add_control_input(dependency)  # noqa: SLF001
+    op._add_control_input(dependency)
 
 
 def operation_count(graph) -> int:
@@ -181,7 +181,7 @@ def operations_since(graph, count: int) -> list:
 
 def collective_launchers(extended):
     """The per-local-device collective launchers of a collective strategy's extended."""
-    return extended._cross_device_ops._launchers  # noqa: SLF001
+    return extended._cross_device_ops._launchers
 
 
 def all_gather(launcher, value, options):
@@ -191,7 +191,7 @@ def all_gather(launcher, value, options):
     tf.cond (LossScaleOptimizer applies the inner optimizer inside one); the launcher's
     own all-gather launches the collective directly in the replica.
     """
-    return launcher._all_gather(value, options)  # noqa: SLF001
+    return launcher._all_gather(value, options)
 
 
 def broadcast(launcher, value, shape, dtype, options):
@@ -207,19 +207,19 @@ def broadcast(launcher, value, shape, dtype, options):
     take no ordering token, and tf.function's automatic control dependencies leave them
     unordered (auto_control_deps.py lists them as order-insensitive), so callers order them.
     """
-    instance_key = launcher._next_instance_key()  # noqa: SLF001
-    options = launcher._options.merge(options)  # noqa: SLF001
+    instance_key = launcher._next_instance_key()
+    options = launcher._options.merge(options)
     hint = options.implementation.value
     import tensorflow as tf
 
-    with tf.device(launcher._device):  # noqa: SLF001
+    with tf.device(launcher._device):
         if value is not None:
             return tf_collective_ops.broadcast_send_v2(
-                value, launcher._group_size, launcher._group_key, instance_key,  # noqa: SLF001
+                value, launcher._group_size, launcher._group_key, instance_key,
                 communication_hint=hint, timeout=options.timeout_seconds)
         return tf_collective_ops.broadcast_recv_v2(
             tf.constant(list(shape), tf.int32), dtype,
-            launcher._group_size, launcher._group_key, instance_key,  # noqa: SLF001
+            launcher._group_size, launcher._group_key, instance_key,
             communication_hint=hint, timeout=options.timeout_seconds)
 
 
@@ -231,7 +231,7 @@ def local_replica_id(replica_context) -> int:
     trace-time integer to know which partition this replica updates. TensorFlow indexes its
     own collective launchers with this attribute.
     """
-    return replica_context._replica_id  # noqa: SLF001
+    return replica_context._replica_id
 
 
 # --- Timing and aborting collectives (stragglers.py, deadline.py) ---------------------------

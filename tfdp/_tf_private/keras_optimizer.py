@@ -76,7 +76,7 @@ def optimizer_own_variables(optimizer) -> list:
 
 def set_optimizer_own_variables(optimizer, variables) -> None:
     get_private(optimizer, "_variables", "the variables an optimizer saves")
-    optimizer._variables = list(variables)  # noqa: SLF001
+    optimizer._variables = list(variables)
 
 
 def gradient_accumulators(optimizer) -> list:
@@ -126,7 +126,7 @@ def advances_shared_state(optimizer) -> bool:
 
 def advance_shared_state(optimizer, learning_rate) -> None:
     """Runs the once-per-update part of such an optimizer's step (no variables updated)."""
-    optimizer._backend_update_step([], [], learning_rate)  # noqa: SLF001
+    optimizer._backend_update_step([], [], learning_rate)
 
 
 def optimizer_state_lists(optimizer) -> dict:
@@ -154,7 +154,7 @@ def replace_variable_storage(variable, storage) -> None:
     takes a tf.Variable the same way); no public API re-homes a variable.
     """
     get_private(variable, "_value", "the tf.Variable a Keras variable wraps")
-    variable._value = storage  # noqa: SLF001
+    variable._value = storage
 
 
 # --- Per-variable bookkeeping (sharded.py, _layerwise.py) ----------------------------------
@@ -162,7 +162,7 @@ def replace_variable_storage(variable, storage) -> None:
 def has_own_weight_decay(optimizer) -> bool:
     """True when the optimizer's class replaces Keras's decoupled weight decay (LARS/LAMB
     apply theirs inside the update). Why: only the overridden method tells."""
-    return type(optimizer)._apply_weight_decay is not TFOptimizer._apply_weight_decay  # noqa: SLF001
+    return type(optimizer)._apply_weight_decay is not TFOptimizer._apply_weight_decay
 
 
 # Why (the four below): a Keras optimizer keeps its slots in lists indexed like the variables
@@ -173,22 +173,22 @@ def has_own_weight_decay(optimizer) -> bool:
 
 def apply_weight_decay(optimizer, variables) -> None:
     """The optimizer's own weight-decay step on ``variables`` (Keras calls it before updates)."""
-    optimizer._apply_weight_decay(variables)  # noqa: SLF001
+    optimizer._apply_weight_decay(variables)
 
 
 def uses_weight_decay(optimizer, variable) -> bool:
     """Keras's exclusion rule (``exclude_from_weight_decay``) for one variable."""
-    return bool(optimizer._use_weight_decay(variable))  # noqa: SLF001
+    return bool(optimizer._use_weight_decay(variable))
 
 
 def variable_index(optimizer, variable) -> int:
     """Index of a model variable among those the optimizer was built with (Keras's key)."""
-    return optimizer._get_variable_index(variable)  # noqa: SLF001
+    return optimizer._get_variable_index(variable)
 
 
 def variable_key(optimizer, variable):
     """Keras's identity for a model variable inside an optimizer (stable across replicas)."""
-    return optimizer._var_key(variable)  # noqa: SLF001
+    return optimizer._var_key(variable)
 
 
 # Why: ShardedOptimizer clips the reduced gradients of the variables a replica owns and must
@@ -196,7 +196,7 @@ def variable_key(optimizer, variable):
 # (which makes a sparse gradient dense) and ``clipvalue`` by ``ops.clip``. The wrapped
 # optimizer's ``_clip_gradients`` is tfdp's patch (it would reduce again); Keras's own step is
 # the base class's, which nothing patches. No public API clips without applying.
-from keras.src.optimizers.base_optimizer import BaseOptimizer as _KerasBase  # noqa: E402
+from keras.src.optimizers.base_optimizer import BaseOptimizer as _KerasBase  # noqa: E402 (beside the why above)
 
 require_attributes(_KerasBase, ("_clip_gradients", "_clip_by_norm"),
                    "Keras's own clipping, for ShardedOptimizer's owned gradients")
@@ -205,7 +205,7 @@ require_attributes(_KerasBase, ("_clip_gradients", "_clip_by_norm"),
 def keras_clip_gradients(optimizer, grads) -> list:
     """Keras's own clipping step of ``optimizer`` (``clipnorm``, ``global_clipnorm`` or
     ``clipvalue`` as Keras computes them on these gradients), without tfdp's reduction."""
-    return list(_KerasBase._clip_gradients(optimizer, grads))  # noqa: SLF001
+    return list(_KerasBase._clip_gradients(optimizer, grads))
 
 
 # --- Class patches (collectives.py, sharded_state.py) --------------------------------------
@@ -277,7 +277,7 @@ def applying_variables():
     return getattr(_applying, "variables", None)
 
 
-class applying(object):  # noqa: N801 (a context manager)
+class applying(object):  # a context manager
     """``with applying(variables):`` around Keras's ``_backend_apply_gradients``."""
 
     def __init__(self, variables):

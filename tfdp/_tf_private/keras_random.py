@@ -63,7 +63,7 @@ def _drawn_seed_class():
     import keras
 
     class _DrawnSeed(keras.random.SeedGenerator):
-        def __init__(self, seed_value):  # noqa: D107 (no state variable: see above)
+        def __init__(self, seed_value):  # no state variable: see above
             self._tfdp_value = seed_value
 
         def next(self, ordered=True):

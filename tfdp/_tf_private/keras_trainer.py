@@ -114,7 +114,7 @@ def _holds(iterator, dataset) -> bool:
 def _epoch_iterators_in_frames(dataset, kind) -> list:
     import sys
 
-    found, frame = [], sys._getframe(1)  # noqa: SLF001  (the running fit's frames)
+    found, frame = [], sys._getframe(1)  # the running fit's frames
     while frame is not None:
         for value in frame.f_locals.values():
             if isinstance(value, kind) and _holds(value, dataset) and value not in found:
@@ -131,7 +131,7 @@ def set_keras_epoch_length(dataset, num_batches) -> int:
     found = [it for it in _epoch_iterators_in_frames(dataset, EpochIterator)
              if it.steps_per_epoch is None]
     for obj in found:
-        obj._num_batches = num_batches  # noqa: SLF001
+        obj._num_batches = num_batches
     return len(found)
 
 
@@ -150,7 +150,7 @@ def set_keras_initial_epoch(model, epoch: int) -> None:
     ``fit`` call already running, and no public setter exists.
     """
     get_private(model, "_initial_epoch", "resuming at an epoch")  # set by Keras's Trainer.__init__
-    model._initial_epoch = int(epoch)  # noqa: SLF001
+    model._initial_epoch = int(epoch)
 
 
 # --- One distributed iterator per epoch (tfdp/strategy/keras_integration.py) ---------------
@@ -164,8 +164,8 @@ def set_keras_initial_epoch(model, epoch: int) -> None:
 # part that needs one and builds the optimizer if it must). ``_unbuilt_for_symbolic_build``
 # repeats Keras's three tests.
 def _unbuilt_for_symbolic_build(model) -> bool:
-    metrics, loss = model._compile_metrics, model._compile_loss  # noqa: SLF001
-    return (not all(layer.built for layer in model._flatten_layers())  # noqa: SLF001
+    metrics, loss = model._compile_metrics, model._compile_loss
+    return (not all(layer.built for layer in model._flatten_layers())
             or (metrics is not None and not metrics.built)
             or (loss is not None and not loss.built))
 
@@ -192,7 +192,7 @@ def _per_replica_batch_spec(epoch_iterator):
 
     def one_replica(leaf):
         if isinstance(leaf, distribute_values.PerReplicaSpec):
-            leaf = leaf._value_specs[0]  # noqa: SLF001
+            leaf = leaf._value_specs[0]
         return leaf
 
     specs = tf.nest.map_structure(one_replica, spec)
@@ -217,7 +217,7 @@ def patch_keras_symbolic_build(applies) -> None:
                 if data_batch is None:
                     return original(self, iterator=iterator, data_batch=None)
             with self.distribute_strategy.scope():
-                self._symbolic_build(data_batch=data_batch)  # noqa: SLF001
+                self._symbolic_build(data_batch=data_batch)
 
         return maybe_symbolic_build
 

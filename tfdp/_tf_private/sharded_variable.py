@@ -72,7 +72,7 @@ def in_update_context() -> bool:
 _reads = threading.local()
 
 
-class reading_slices(object):  # noqa: N801 (a context manager)
+class reading_slices(object):  # a context manager
     """Inside it, a sharded parameter read in a replica is that replica's slice, not the
     gathered tensor: the optimizer's step (Keras's EMA update reads the model variables)."""
 
@@ -221,7 +221,7 @@ def broadcast_initial_value(extended, device, **kwargs):
     local replica is exactly that (the broadcast MultiWorkerMirroredStrategy gives every
     mirrored variable); no public API broadcasts a value at variable creation.
     """
-    return extended._get_variable_creator_initial_value(  # noqa: SLF001
+    return extended._get_variable_creator_initial_value(
         replica_id=0, device=device, primary_var=None, **kwargs)
 
 

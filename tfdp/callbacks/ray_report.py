@@ -153,7 +153,7 @@ def _ray_train():
                           "installed: pip install 'ray[train]'.") from e
     try:
         ray.train.get_context()
-    except Exception as e:  # noqa: BLE001  Ray's error for "no train session" varies by version
+    except Exception as e:  # Ray's error for "no train session" varies by version
         raise RuntimeError(
             "tfdp.callbacks.RayReport reports to Ray Train and works only inside the train "
             "function of a Ray Train trainer (TensorflowTrainer(train_loop_per_worker=...)); "

@@ -15,7 +15,7 @@ __all__ = ["ClusterConfig", "ClusterConfigError", "DEFAULT_PORT_BASE", "port_bas
 
 # The launcher protocol's names have one home, tfdp.protocol; 0.2.0 defined them here and the
 # 0.3.0 changelog promised they stay importable from tfdp.cluster.
-from tfdp.protocol import (ATTEMPT_ENV, CONTROL_DIR_ENV, CPU_REPLICAS_ENV,  # noqa: E402,F401
+from tfdp.protocol import (ATTEMPT_ENV, CONTROL_DIR_ENV, CPU_REPLICAS_ENV,  # noqa: F401 (re-exported, 0.3.0's promise)
                            EVICT_FILE, EXIT_PREEMPTED, EXIT_RESTART_REQUESTED, GRACE_ENV,
                            MIN_WORKERS_ENV, PORT_BASE_ENV, RANK_ENV, READY_FILE_ENV,
                            RESTARTS_LEFT_ENV, SLOT_ENV, progress_file)

@@ -33,10 +33,10 @@ def node_ip_address() -> str | None:
     if ray is None or not getattr(ray, "is_initialized", lambda: False)():
         return None
     try:
-        import ray.util  # noqa: F401  (a submodule of an already imported package)
+        import ray.util  # a submodule of an already imported package
 
         return ray.util.get_node_ip_address()
-    except Exception:  # noqa: BLE001  an unusual Ray: its addresses as they are
+    except Exception:  # an unusual Ray: its addresses as they are
         return None
 
 

@@ -150,7 +150,7 @@ def num_workers(strategy) -> int:
     resolver = getattr(strategy, "cluster_resolver", None)
     try:
         spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
-    except Exception:  # noqa: BLE001  resolvers without a spec mean one worker
+    except Exception:  # resolvers without a spec mean one worker
         spec = {}
     return max(1, sum(len(v) for k, v in spec.items() if k in ("chief", "worker")))
 

@@ -101,7 +101,7 @@ class RayShard:
     def _say_if_unordered(self):
         try:
             ordered = bool(self.shard.get_context().execution_options.preserve_order)
-        except Exception:  # noqa: BLE001  an iterator without Ray's context: nothing to say
+        except Exception:  # an iterator without Ray's context: nothing to say
             return
         if not ordered:
             warnings.warn(

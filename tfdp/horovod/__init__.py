@@ -29,7 +29,7 @@ from tfdp.horovod.collectives import (Adasum, Average, Compression, Max, Min, Pr
                                       local_size_op, process_set_included_op, rank_op,
                                       reducescatter, size_op)
 from tfdp.horovod.optimizer import DistributedGradientTape, DistributedOptimizer
-from tfdp.horovod import elastic  # noqa: E402 (hvd.elastic)
+from tfdp.horovod import elastic  # hvd.elastic
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",

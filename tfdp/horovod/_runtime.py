@@ -36,7 +36,7 @@ import threading
 
 from tfdp.cluster import ClusterConfig
 from tfdp.cluster.gpus import local_gpus
-from tfdp.cluster.placement import Placement, placement  # noqa: F401 (the rule's home)
+from tfdp.cluster.placement import Placement, placement  # the rule's home
 from tfdp import process_state
 
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",

@@ -119,7 +119,7 @@ def make_distributed(optimizer, settings, in_place=False):
             config["gradient_accumulation_steps"] = passes
         try:
             new = cls.from_config(config)
-        except Exception:  # noqa: BLE001 - e.g. an unregistered learning-rate schedule
+        except Exception:  # e.g. an unregistered learning-rate schedule
             new = None
     if new is None:
         new = optimizer
@@ -130,7 +130,7 @@ def make_distributed(optimizer, settings, in_place=False):
     return new
 
 
-def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="",  # noqa: N802
+def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="",
                          device_sparse="", compression=Compression.none, sparse_as_dense=False,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          average_aggregated_gradients=False, num_groups=0, groups=None,
@@ -182,7 +182,7 @@ class _DistributedGradientTape:
         return getattr(self._tape, name)
 
 
-def DistributedGradientTape(gradtape, device_dense="", device_sparse="",  # noqa: N802
+def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
                             compression=Compression.none, sparse_as_dense=False, op=Average,
                             gradient_predivide_factor=1.0, num_groups=0, groups=None,
                             process_set=None, scale_local_gradients=True):

@@ -160,7 +160,7 @@ def strategy_for(distribution):
         strategy = DataParallelStrategy(devices=local, cluster=cluster,
                                         shard_parameters=kind == "model_parallel")
         if kind == "model_parallel":
-            strategy.extended._tfdp_shard_rule = (  # noqa: SLF001 (tfdp's own engine)
+            strategy.extended._tfdp_shard_rule = (  # tfdp's own engine
                 lambda kwargs, d=distribution: _layout_shards_variable(d))
         _state.strategies[id(distribution)] = (distribution, strategy)
         log.info("tfdp: keras.distribution %s -> DataParallelStrategy over %d replica(s)%s",

@@ -174,7 +174,9 @@ class Launcher:
     def _logs(self, state):
         folder = os.path.join(self.log_dir, f"attempt-{state.attempt}")
         os.makedirs(folder, exist_ok=True)
-        shown = lambda rank: self.output == "all" or rank == 0  # noqa: E731
+        def shown(rank):
+            return self.output == "all" or rank == 0
+
         logs = [WorkerLog(os.path.join(folder, f"worker-{slot}.log"), f"[w{rank}]",
                           self.out if shown(rank) else None, self._lock, TAIL_LINES)
                 for rank, slot in enumerate(state.slots)]
@@ -279,7 +281,9 @@ class Launcher:
     def _never_joined(self, attempt, start_timeout, missing):
         absent = [r for r in missing if not attempt.joining(r)] or missing
         waiting = [r for r in missing if r not in absent]
-        slots = lambda ranks: [attempt.slots[r] for r in ranks]  # noqa: E731
+        def slots(ranks):
+            return [attempt.slots[r] for r in ranks]
+
         where = ""
         if any(h is not None for h in attempt.hosts):
             where = "; " + ", ".join(f"worker {attempt.slots[r]} on host "

@@ -115,7 +115,7 @@ def _report_between_groups(results: str, out: str) -> None:
     """The report after a group; a failure to draw it is printed and the sweep goes on."""
     try:
         report_from(results, out)
-    except Exception:  # noqa: BLE001 - the trials matter more than an intermediate plot
+    except Exception:  # the trials matter more than an intermediate plot
         traceback.print_exc()
         print("large_batch: the intermediate report failed (above); the sweep continues",
               file=sys.stderr, flush=True)
@@ -223,7 +223,7 @@ def main(argv):
     except (core.HarnessError, large_batch_data.DataUnavailableError) as error:
         print(f"large_batch: {error}", file=sys.stderr, flush=True)
         return 1
-    except Exception:  # noqa: BLE001
+    except Exception:
         # After an uncaught exception too (see above): print it and leave at once.
         traceback.print_exc()
         sys.stdout.flush()

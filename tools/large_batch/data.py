@@ -105,7 +105,7 @@ def _download_with_keras():
     socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)
     try:
         (x_train, y_train), _ = keras.datasets.fashion_mnist.load_data()
-    except Exception as error:  # noqa: BLE001 - any download failure gets the same advice
+    except Exception as error:  # any download failure gets the same advice
         raise DataUnavailableError(_how_to_get_files(
             f"none in {os.path.expanduser(KERAS_CACHE)} or {DEBIAN_DIR}, and the download "
             f"failed ({type(error).__name__}: {error})")) from error

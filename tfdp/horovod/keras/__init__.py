@@ -4,7 +4,7 @@ The names of ``tfdp.horovod`` (the same functions: they take tensors or values),
 ``callbacks`` (``tfdp.horovod.keras.callbacks``) and ``load_model``. See docs/horovod.md.
 """
 
-from tfdp.horovod import *  # noqa: F401,F403
+from tfdp.horovod import *  # noqa: F403 (hvd.keras is hvd's API)
 from tfdp.horovod import __all__ as _hvd_all
 from tfdp.horovod import _missing
 from tfdp.horovod.keras import callbacks

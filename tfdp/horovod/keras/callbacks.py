@@ -1,6 +1,6 @@
 """``horovod.tensorflow.keras.callbacks``'s names (tfdp.horovod.callbacks re-exported)."""
 
-from tfdp.horovod.callbacks import (BroadcastGlobalVariablesCallback,  # noqa: F401
+from tfdp.horovod.callbacks import (BroadcastGlobalVariablesCallback,
                                     LearningRateScheduleCallback, LearningRateWarmupCallback,
                                     MetricAverageCallback)
 
