@@ -47,10 +47,10 @@ import tensorflow as tf
 
 from tfdp import _tf_private, said_once
 from tfdp.cluster import ClusterConfig
-from tfdp.strategy import (collectives, deadline, keras_integration, lifecycle, randomness,
-                           riders, source_pipeline)
+from tfdp.strategy import (deadline, keras_integration, lifecycle, randomness, riders,
+                           source_pipeline)
 from tfdp.strategy import devices as devices_lib
-from tfdp.strategy.options import (DEFAULT_BUCKET_BYTES, DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS,
+from tfdp.strategy.options import (DEFAULT_MULTI_WORKER_TIMEOUT_SECONDS,
                                    check_compression, describe_shared_gpu, jit_compile_error,
                                    resolve_communication, resolve_options)
 from tfdp.strategy.wire import reduce_dtype

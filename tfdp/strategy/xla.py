@@ -44,8 +44,7 @@ import keras
 import tensorflow as tf
 
 from tfdp import _tf_private, said_once
-from tfdp.strategy import (collectives, deadline, is_data_parallel, riders, sparse_gradients,
-                           timing)
+from tfdp.strategy import deadline, is_data_parallel, riders, sparse_gradients, timing
 from tfdp.strategy.zero3 import gradients as zero3_gradients
 from tfdp.strategy.zero3 import layout as zero3_layout
 from tfdp.strategy.zero3 import units_xla as zero3_units_xla

@@ -145,7 +145,7 @@ class ShardSpec:
 _given_slices = threading.local()
 
 
-class reading_given_slices(object):  # noqa: N801 (a context manager)
+class reading_given_slices(object):  # a context manager
     """Inside it, a replica's read of the sharded parameters in ``slices`` (``{spec: slice
     tensor}``) gathers the given tensor instead of reading the variable: a unit passes its
     slices to its custom gradient as inputs (units.py).

@@ -30,7 +30,7 @@ __all__ = ["one_update_at_a_time", "check_optimizer", "WHOLE_TENSOR_OPTIMIZERS",
 _updates = threading.local()
 
 
-class one_update_at_a_time(object):  # noqa: N801 (a context manager)
+class one_update_at_a_time(object):  # a context manager
     """Around one variable's update in a replica: its ops run after the previous sharded
     variable's update in this replica's traced step. Keras's optimizer builds every variable's
     update independently, and a graph runs independent updates at once: their temporaries
@@ -146,7 +146,7 @@ def clip_gradients(optimizer, grads, variables, original_clip):
         out = []
         for g, is_shard in zip(grads, sharded):
             if g is None or not is_shard:
-                out.append(None if g is None else optimizer._clip_by_norm(g))  # noqa: SLF001
+                out.append(None if g is None else optimizer._clip_by_norm(g))  # Keras's own
                 continue
             l2sum = sum_over_replicas(squared_norm(g))
             out.append(_clip_by_norm_with(g, optimizer.clipnorm, l2sum))

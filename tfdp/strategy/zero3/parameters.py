@@ -128,7 +128,7 @@ def create(extended, next_creator, min_elements, kwargs: dict, whole_gather: Who
     Raises:
         ValueError: optimizer state shaped otherwise than its sharded parameter.
     """
-    strategy = extended._container_strategy()  # noqa: SLF001 (our own extended object)
+    strategy = extended._container_strategy()  # our own extended object
     devices = list(extended.worker_devices)
     colocate_with = kwargs.get("colocate_with")
     parameter = (_tf_private.sharded_container(colocate_with) if colocate_with is not None

@@ -167,8 +167,9 @@ class Unit(object):
                          and units_xla.compilable(layer, self.inputs) else None)
 
     def read_slices(self, gate):
-        """This replica's slices of the unit's parameters, read once ``gate`` (the prefetch
-        gate, or None) exists: the gathers of the forward pass start from them."""
+        """This replica's slices of the unit's parameters, read once ``gate``
+        (``Trace.prefetch_gate``, or None) exists: the forward pass's gathers start from them,
+        so they start no earlier than the prefetch allows."""
         replica = _tf_private.current_replica_id()
         with tf.control_dependencies([] if gate is None else [gate]):
             return [c.components[replica].value() for c in self.containers]
@@ -188,18 +189,30 @@ class Unit(object):
         finally:
             _state.depth -= 1
 
+    def gather(self, slice_values):
+        """The reads under which the layer's sharded weights are whole tensors all-gathered
+        from ``slice_values`` (each read gathers; its gradient is the reduce-scatter)."""
+        return reading_given_slices(dict(zip(self.specs, slice_values)))
+
     def forward(self, tensors, slice_values):
-        """The unit's outputs from its inputs and slices: the parameters are gathered inside
-        (compiled: before the program) and nothing gathered outlives the call."""
+        """The unit's outputs from its inputs and slices, the parameters gathered inside
+        (compiled: just before the program). The release is the custom gradient's boundary:
+        its inputs are the slices, so nothing gathered outlives this call."""
         if self.compiled is not None:
             return self.compiled(tensors, slice_values)
-        return self.call_inside(tensors, reading_given_slices(dict(zip(self.specs,
-                                                                       slice_values))))
+        return self.call_inside(tensors, self.gather(slice_values))
 
     def backward(self, all_inputs, outputs, dys, variables):
         """The gradients of the unit's inputs (tensors, then slices) and of ``variables`` (its
         other weights): the slices are gathered again once the outputs' gradients exist, and
-        the forward pass recomputed under a tape."""
+        the forward pass recomputed under a tape.
+
+        Args:
+            all_inputs: the custom gradient's inputs (the call's tensors, then the slices).
+            outputs: the forward pass's flat outputs.
+            dys: their gradients (None where an output has none).
+            variables: the other variables the forward pass read (TensorFlow passes them).
+        """
         dys = [tf.zeros_like(o) if d is None else _as_dense(d) for o, d in zip(outputs, dys)]
         variables = list(variables or [])
         with tf.control_dependencies(dys):  # gather again only once the outputs' gradients exist

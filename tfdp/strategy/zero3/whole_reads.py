@@ -78,7 +78,7 @@ class WholeReadError(RuntimeError):
 def register(strategy, gather) -> str:
     """Registers a sharded variable of ``strategy`` (several workers) whose whole read is
     ``gather()`` (the collective, without this protocol); returns its read id."""
-    key = strategy._tfdp_key_base  # noqa: SLF001 (tfdp's own strategy: one id per strategy)
+    key = strategy._tfdp_key_base  # tfdp's own strategy: one id per strategy
     with _lock:
         number = _counts.get(key, 0)
         _counts[key] = number + 1
@@ -146,7 +146,7 @@ def _wait_for(key: str, cluster, other: int, seconds):
             return "late", None
         try:
             return "set", _tf_private.read_from_coordination_service(key, left)
-        except Exception:  # noqa: BLE001 (tf.errors.OpError: not set yet, or the service is gone)
+        except Exception:  # tf.errors.OpError: not set yet, or the service is gone
             pass
         if _gone(cluster, other):
             return "gone", None
@@ -164,7 +164,7 @@ def _abandon(number: int, reason: str) -> None:
     _tf_private.delete_from_coordination_service(_key(number))
     try:
         _tf_private.publish_to_coordination_service(_key(number), f"{_ABANDONED} {reason}")
-    except Exception:  # noqa: BLE001 (the service is gone: nobody is left to tell)
+    except Exception:  # the service is gone: nobody is left to tell
         pass
 
 
