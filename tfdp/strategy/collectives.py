@@ -204,7 +204,7 @@ def _launch_buckets(ctx, strategy, flat):
             out[k] = value
         return out
     launcher = _tf_private.collective_launchers(strategy.extended)[local_replica_index()]
-    device_type = strategy.extended._tfdp_reduce_device_type  # noqa: SLF001 (tfdp's own)
+    device_type = strategy.extended._tfdp_reduce_device_type  # tfdp's own
     out = [None] * len(flat)
     for k in launch:
         value = flat[k]

@@ -270,7 +270,7 @@ class Arrivals:
             try:
                 _tf_private.read_from_coordination_service(f"{self.key}/{rank}",
                                                            min(self.READ_SECONDS, left))
-            except Exception:  # noqa: BLE001  (tf.errors.OpError: not there, or the service is gone)
+            except Exception:  # tf.errors.OpError: not there, or the service is gone
                 missing.append(rank)
         return missing
 

@@ -217,7 +217,7 @@ class _OrderlyExit:
             # see the code. The wrapper only records it.
             original_exit = sys.exit
 
-            def exit(status=None):  # noqa: A001 (same name as what it wraps)
+            def exit(status=None):  # same name as what it wraps
                 if threading.current_thread() is threading.main_thread():
                     self._exit_code = status  # elsewhere it only ends that thread
                 original_exit(status)
@@ -250,11 +250,11 @@ class _OrderlyExit:
             for hook in list(_before_leaving):
                 try:
                     hook(cluster, self._timeout)
-                except Exception as e:  # noqa: BLE001 (an exit handler must not raise)
+                except Exception as e:  # an exit handler must not raise
                     log.warning("tfdp: orderly exit: %s failed: %s: %s", getattr(
                         hook, "__qualname__", hook), type(e).__name__, str(e)[:300])
             _tf_private.wait_at_coordination_barrier(_EXIT_BARRIER_ID, self._timeout)
-        except Exception as e:  # noqa: BLE001 (an exit handler must not raise)
+        except Exception as e:  # an exit handler must not raise
             reason = (str(e).splitlines() or [""])[0][:200]
             log.warning("tfdp: orderly exit: the exit barrier failed (a worker died, or did not "
                         "arrive within %.0f s): %s: %s. Exiting without waiting for the others.",

@@ -93,7 +93,7 @@ def deal_rows(strategy, num_pipelines: int, unit: str = "element") -> None:
     """
     if unit not in ("element", "batch"):
         raise ValueError(f"unit must be 'element' or 'batch', got {unit!r}")
-    strategy._tfdp_dealt_to = (max(1, int(num_pipelines)), unit)  # noqa: SLF001 (tfdp's own)
+    strategy._tfdp_dealt_to = (max(1, int(num_pipelines)), unit)  # tfdp's own
 
 
 def _global_rows(strategy, batch):

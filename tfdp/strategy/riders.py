@@ -50,7 +50,7 @@ def strategy_riders() -> int:
     return sum(len(r) for r in _riders.values())
 
 
-class riding_with_gradients:  # noqa: N801 (a context manager, used as a statement)
+class riding_with_gradients:  # a context manager, used as a statement
     """``with riding_with_gradients(rider):`` the gradient reductions this replica traces
     inside carry ``rider`` (None: nothing)."""
 
