@@ -183,7 +183,7 @@ def test_a_custom_loop_under_the_distribution_runs_data_parallel():
 
 @pytest.mark.slow
 def test_guide_model_parallel_shards_the_layouts_variables(one_device_guide):
-    from tfdp.strategy import sharded_parameters
+    from tfdp.strategy.zero3 import layout, parameters
 
     devices = keras.distribution.list_devices()[:DEVICES]
     reference, reference_loss = one_device_guide
@@ -192,10 +192,10 @@ def test_guide_model_parallel_shards_the_layouts_variables(one_device_guide):
         model = guide.guide_model()
     assert not tf.distribute.has_strategy()  # the scope ended with distribution.scope()
     strategy = model.distribute_strategy
-    sharded = {v.path for v in model.weights if sharded_parameters.is_sharded(v)}
+    sharded = {v.path for v in model.weights if layout.is_sharded(v)}
     assert sharded == {"d1/kernel"}  # d1 has no bias; d2's weights have no layout
     kernel = model.get_layer("d1").kernel
-    per_replica = sharded_parameters.sharded_bytes_per_replica([kernel], strategy)
+    per_replica = parameters.sharded_bytes_per_replica([kernel], strategy)
     assert per_replica == [784 * 200 * 4 // DEVICES] * DEVICES
     model, loss = guide.fit_and_evaluate(model)
     gap = _gap(model.get_weights(), reference)
@@ -260,7 +260,7 @@ def test_reset_returns_kerass_distribution_module_to_its_state_at_import():
 def test_gemma_with_its_layout_map_trains_like_one_device():
     keras_hub = pytest.importorskip("keras_hub")
     import keras_hub_cases as cases
-    from tfdp.strategy import sharded_parameters
+    from tfdp.strategy.zero3 import layout, parameters
 
     name = "gemma"
     cases.MODELS.setdefault(name, _gemma)
@@ -278,11 +278,11 @@ def test_gemma_with_its_layout_map_trains_like_one_device():
     assert gap < 1e-5, gap
     laid_out = [v for v in model.weights
                 if plan.layout_shards(getattr(layout_map[v.path], "axes", None))]
-    assert laid_out and all(sharded_parameters.is_sharded(v) for v in laid_out)
+    assert laid_out and all(layout.is_sharded(v) for v in laid_out)
     ids = {id(v) for v in laid_out}
-    assert not any(sharded_parameters.is_sharded(v) for v in model.weights if id(v) not in ids)
+    assert not any(layout.is_sharded(v) for v in model.weights if id(v) not in ids)
     whole = sum(int(np.prod(v.shape)) * 4 for v in laid_out)
-    per_replica = sharded_parameters.sharded_bytes_per_replica(laid_out, strategy)
+    per_replica = parameters.sharded_bytes_per_replica(laid_out, strategy)
     padding = sum((-int(np.prod(v.shape))) % DEVICES for v in laid_out) * 4
     assert per_replica == [(whole + padding) // DEVICES] * DEVICES, (per_replica, whole)
     print(json.dumps({"gemma_gap": gap, "whole_bytes": whole, "per_replica": per_replica}))

@@ -31,7 +31,10 @@ pytest.importorskip("keras_hub", reason="keras-hub is installed by the README's 
 
 import tfdp
 from helpers import cpu_devices
-from tfdp.strategy import sharded_parameters
+from tfdp.strategy import replica_ops
+from tfdp.strategy.zero3 import gradients as zero3_gradients
+from tfdp.strategy.zero3 import optimizer as zero3_optimizer
+from tfdp.strategy.zero3.layout import is_sharded
 import keras_hub_cases as cases
 
 # Every test here trains for more than 8 s on the 2-core host: the whole suite runs them, the
@@ -127,7 +130,7 @@ def test_sharded_parameters_train_like_one_device(name):
     strategy = replicas4(shard_parameters=True, shard_min_elements=256)
     clip = ZERO3_CLIPNORM.get(name, cases.GLOBAL_CLIPNORM)
     model = cases.train(name, initial(name), strategy, global_clipnorm=clip)
-    sharded = [v.path for v in model.weights if sharded_parameters.is_sharded(v)]
+    sharded = [v.path for v in model.weights if is_sharded(v)]
     assert len(sharded) >= 4 and len(sharded) < len(model.weights), sharded
     if "bert" in name:  # the token table, whose gradient is sparse, is sliced
         assert any("token_embedding" in path for path in sharded), sharded
@@ -142,16 +145,16 @@ def _dense_slice_of_sparse_gradient(slices, spec):
     """ZeRO-3's rule for a sharded table's sparse gradient before issue 57 (item 4): made
     dense, then reduce-scattered."""
     flat = spec.flat_padded(tf.convert_to_tensor(slices))
-    return sharded_parameters.replica_ops.reduce_scatter(
+    return replica_ops.reduce_scatter(
         tf.reshape(flat, [spec.num_shards, spec.shard_size]))
 
 
 def test_guard_zero3_dense_sparse_slices_are_not_one_device(monkeypatch):
     """BERT under ZeRO-3 with the old dense rule (and the norm of the densified slices) ends
     far beyond EXACT (measured 4.9e-4; the rule above: 3.9e-8)."""
-    monkeypatch.setattr(sharded_parameters, "_slice_of_sparse_gradient",
+    monkeypatch.setattr(zero3_gradients, "slice_of_sparse_gradient",
                         _dense_slice_of_sparse_gradient)
-    monkeypatch.setattr(sharded_parameters, "_squared_norm", lambda g: tf.reduce_sum(
+    monkeypatch.setattr(zero3_optimizer, "squared_norm", lambda g: tf.reduce_sum(
         tf.square(tf.cast(tf.convert_to_tensor(g), tf.float32))))
     strategy = replicas4(shard_parameters=True, shard_min_elements=256)
     model = cases.train("bert", initial("bert"), strategy, global_clipnorm=cases.CLIPPING)

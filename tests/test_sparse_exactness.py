@@ -10,7 +10,7 @@ norm Keras takes on one device: of the rows as they are, not of the densified gr
 Each case trains a few steps of ``fit`` on 4 CPU replicas and compares the weights with one
 device at the same global batch; the guards show the old rules' gaps on the same models.
 Under ZeRO-3 (``shard_parameters=True``, issue 57) a sharded table's gradient is its slice
-of one device's rows, cut at element level (sharded_parameters._slice_of_sparse_gradient).
+of one device's rows, cut at element level (tfdp/strategy/zero3/gradients.py's slice_of_sparse_gradient).
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ import keras
 
 import tfdp
 from tfdp.optimizers import sharded as sharded_module
-from tfdp.strategy import sharded_parameters, sparse_gradients
+from tfdp.strategy import replica_ops, sparse_gradients
+from tfdp.strategy.zero3 import gradients as zero3_gradients
+from tfdp.strategy.zero3.layout import is_sharded
 from tfdp.strategy.sparse_gradients import PER_EXAMPLE, SHARED, lookup_kind
 from tfdp import said_once
 from helpers import cpu_devices, initial_weights, train
@@ -144,7 +146,7 @@ def _four_replicas(model_name, opt_name, sharded=False, jit_compile=False, zero3
                      compile_kwargs={"jit_compile": jit_compile})
     if zero3:
         sharded_tables = [v for v in model.weights if "embedding" in v.path
-                          and sharded_parameters.is_sharded(v)]
+                          and is_sharded(v)]
         assert sharded_tables, [v.path for v in model.weights]
     return model.get_weights()
 
@@ -274,7 +276,7 @@ def test_zero3_sparse_gradients_with_accumulation_and_ema(opt_name):
 
 @pytest.mark.slow
 def test_zero3_sparse_gradients_under_xla():
-    """jit_compile=True: each unit compiled on its own (sharded_units.py); an Embedding's
+    """jit_compile=True: each unit compiled on its own (tfdp/strategy/zero3/units_xla.py); an Embedding's
     lookup runs uncompiled, so its gradient keeps the graph that tells the lookups apart."""
     gap = _gap_to_one_device("bert", "adam", zero3=True, jit_compile=True)
     print(f"ZeRO-3 bert adam XLA: gap {gap:.1e}")
@@ -285,7 +287,7 @@ def _dense_slice_of_sparse_gradient(slices, spec):
     """ZeRO-3's rule before issue 57 (item 4): the sparse gradient made dense, then
     reduce-scattered (rows at one index added before any square or norm)."""
     flat = spec.flat_padded(tf.convert_to_tensor(slices))
-    return sharded_parameters.replica_ops.reduce_scatter(
+    return replica_ops.reduce_scatter(
         tf.reshape(flat, [spec.num_shards, spec.shard_size]))
 
 
@@ -298,7 +300,7 @@ def test_guard_zero3_dense_slices_are_not_one_device(monkeypatch, opt_name, boun
     token's rows (measured 4.0e-2); the global norm is of the summed table (1.1e-4: after the
     clip Keras's Adam sees the dense gradient on one device too, and only the clip's scale
     differs, which Adam's normalisation mostly absorbs)."""
-    monkeypatch.setattr(sharded_parameters, "_slice_of_sparse_gradient",
+    monkeypatch.setattr(zero3_gradients, "slice_of_sparse_gradient",
                         _dense_slice_of_sparse_gradient)
     gap = _gap_to_one_device("bert", opt_name, zero3=True)
     print(f"ZeRO-3 bert {opt_name}, dense rule: gap {gap:.1e}")

@@ -16,8 +16,11 @@ import tfdp
 from helpers import (assert_weights_close, classification_data, cpu_devices, image_data,
                      initial_weights, token_data)
 from launching import run_job, tfdp_run_command, worker_env, worker_script
-from tfdp.strategy import sharded_parameters, sharded_units, xla
-from tfdp.strategy.sharded_parameters import owner_of, shard_layout
+from tfdp.strategy import xla
+from tfdp.strategy.zero3 import config as zero3_config
+from tfdp.strategy.zero3 import layout, parameters, units_xla
+from tfdp.strategy.zero3 import optimizer as zero3_optimizer
+from tfdp.strategy.zero3.partition import owner_of, shard_layout
 from zero3_cases import MODELS, OPTIMIZERS, compile_for, dense_stack
 
 GLOBAL_BATCH = 64
@@ -59,7 +62,7 @@ def zero3(replicas=4, **kwargs):
 
 
 def sharded_count(model):
-    return sum(sharded_parameters.is_sharded(v) for v in model.trainable_variables)
+    return sum(layout.is_sharded(v) for v in model.trainable_variables)
 
 
 # --- The partition rule (pure) -----------------------------------------------------------------
@@ -100,7 +103,7 @@ def test_sharded_training_equals_one_device_and_variables_are_slices():
         assert [tuple(s.shape) for s in slices] == [(size,)] * 4
         assert len({s.device for s in slices}) == 4
     # Adam's moments are sliced like their parameters.
-    moments = [v for v in model.optimizer.variables if sharded_parameters.is_sharded(v)]
+    moments = [v for v in model.optimizer.variables if layout.is_sharded(v)]
     assert len(moments) == 2 * 6
 
 
@@ -127,10 +130,10 @@ def test_models_users_bring_train_like_one_device(model_name):
     assert_weights_close(model.get_weights(), ref.get_weights(), atol=1e-6, rtol=1e-5)
     if model_name == "frozen":  # the frozen kernel did not move, and is still sliced
         assert_weights_close(model.get_weights()[:2], w0[:2], atol=0, rtol=0)
-        assert sharded_parameters.is_sharded(model.layers[0].kernel)
+        assert layout.is_sharded(model.layers[0].kernel)
     if model_name == "conv_bn":  # BatchNorm statistics stay mirrored (not trainable)
         stats = [v for v in model.non_trainable_variables]
-        assert stats and not any(sharded_parameters.is_sharded(v) for v in stats)
+        assert stats and not any(layout.is_sharded(v) for v in stats)
 
 
 @pytest.mark.slow
@@ -175,7 +178,7 @@ def test_dropout_and_a_custom_loop_with_sharded_parameters_equal_one_device():
 
 def compiled_units(model):
     """The layers of ``model`` whose ZeRO-3 unit ran as an XLA program of its own."""
-    return [layer for layer in model._flatten_layers() if sharded_units._compiled_calls.get(layer)]
+    return [layer for layer in model._flatten_layers() if units_xla.compiled_calls.get(layer)]
 
 
 @pytest.mark.slow
@@ -242,7 +245,7 @@ def test_guard_clipping_with_slice_norms_would_differ(monkeypatch):
     data = classification_data()
     w0 = initial_weights(dense_stack)
     ref = one_device("adam_global_clipnorm")  # before the patch, as one device trains
-    monkeypatch.setattr(sharded_parameters, "_sum_over_replicas", lambda value: value)
+    monkeypatch.setattr(zero3_optimizer, "sum_over_replicas", lambda value: value)
     model = train(zero3(), dense_stack, OPTIMIZERS["adam_global_clipnorm"], data, w0)
     gap = max(np.abs(a - b).max() for a, b in zip(model.get_weights(), ref))
     assert gap > 1e-4
@@ -259,16 +262,16 @@ def wide_mlp():
 def test_parameters_and_adam_state_take_one_nth_per_replica(replicas):
     x = np.random.default_rng(0).normal(size=(64, 64)).astype("float32")
     y = np.arange(64) % 10
-    strategy = zero3(replicas, shard_min_elements=sharded_parameters.DEFAULT_SHARD_MIN_ELEMENTS)
+    strategy = zero3(replicas, shard_min_elements=zero3_config.DEFAULT_SHARD_MIN_ELEMENTS)
     with strategy.scope():
         model = wide_mlp()
         compile_for(model, keras.optimizers.Adam(1e-3))
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     mirrored = sum(int(np.prod(v.shape)) for v in model.trainable_variables
-                   if not sharded_parameters.is_sharded(v))
+                   if not layout.is_sharded(v))
     assert mirrored == 256 + 256 + 10 + 2560  # biases and the 2,560-element head stay whole
-    held = sharded_parameters.sharded_bytes_per_replica(
+    held = parameters.sharded_bytes_per_replica(
         model.trainable_variables + model.optimizer.variables, strategy)
     # Parameters + Adam's two moments: 12 bytes per parameter, 1/N of them per replica
     # (padding included), plus the mirrored variables whole.
@@ -403,7 +406,7 @@ def test_a_compiled_units_key_tells_apart_calls_of_another_structure():
     def key(args, kwargs):
         flat = tf.nest.flatten((args, kwargs))
         positions = [i for i, v in enumerate(flat) if isinstance(v, tf.Tensor)]
-        return sharded_units._static_key(args, kwargs, flat, positions)
+        return units_xla.static_key(args, kwargs, flat, positions)
 
     assert key((x, x), {}) != key((x, x), {"attention_mask": m})
     assert key((x,), {"mask": m}) != key((x, m), {})

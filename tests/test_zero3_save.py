@@ -1,5 +1,5 @@
 """Horovod's save idiom under ZeRO-3 on several workers (issue 57, item 5;
-tfdp/strategy/whole_reads.py): only the chief calls ``model.save``, and the other workers,
+tfdp/strategy/zero3/whole_reads.py): only the chief calls ``model.save``, and the other workers,
 done with their script, serve its whole-tensor reads from their exit. The job ends, the file
 loads in a plain process with one device's weights; a worker that is gone fails the chief's
 save within seconds, naming it.
@@ -25,7 +25,7 @@ from helpers import assert_weights_close, classification_data, initial_weights
 from launching import run_job, tfdp_run_command, worker_env, worker_script
 from procs import process_alive
 from tfdp.launcher.processes import free_ports
-from tfdp.strategy import whole_reads
+from tfdp.strategy.zero3 import whole_reads
 from zero3_cases import OPTIMIZERS, compile_for, dense_stack
 
 LAUNCH_TIMEOUT = 240
@@ -155,7 +155,7 @@ def test_read_numbers_survive_a_reset_and_the_registry_does_not():
         def __init__(self, key):
             self._tfdp_key_base = key
 
-    before = whole_reads._take_number()
+    before = whole_reads.take_number()
     first, second = Strategy(7_000_000), Strategy(8_000_000)
     ids = [whole_reads.register(first, lambda: None), whole_reads.register(second, lambda: None),
            whole_reads.register(first, lambda: None)]
@@ -165,4 +165,4 @@ def test_read_numbers_survive_a_reset_and_the_registry_does_not():
     assert whole_reads.registered() == 3
     tfdp.reset()
     assert whole_reads.registered() == 0
-    assert whole_reads._take_number() == before + 1
+    assert whole_reads.take_number() == before + 1

@@ -169,7 +169,7 @@ def operations_since(graph, count: int) -> list:
     """The ops added to ``graph`` after it held ``count``, in order.
 
     Why: ZeRO-3 chains each variable's update after the previous one's ops
-    (sharded_parameters.one_update_at_a_time), once per sharded variable and replica. The
+    (zero3.optimizer.one_update_at_a_time), once per sharded variable and replica. The
     public ``Graph.get_operations()`` copies every op of the graph (7.5 ms at 200k ops,
     measured), which made tracing grow with the square of the model (the 1B headline's 240
     layers on 8 replicas); the graph's ``operations`` list, which TensorFlow's C++ graph

@@ -243,7 +243,7 @@ def patch_loss_scale_saving(make_save, make_load) -> None:
                     "loading around ShardedOptimizer")
 
 
-# --- Which variables a step updates (sharded parameters, strategy/sharded_parameters.py) -----
+# --- Which variables a step updates (sharded parameters, strategy/zero3/optimizer.py) -----
 _applying = threading.local()
 
 
@@ -297,7 +297,7 @@ def patch_keras_moving_average_update(make) -> None:
     Why: it assigns through the Keras variable, whose shape check wants the whole tensor,
     while with ``shard_parameters=True`` a replica updates only its slice of the average.
     No public hook; tfdp's replacement does the same arithmetic on the slices
-    (strategy/sharded_parameters.py).
+    (strategy/zero3/optimizer.py).
     """
     patch_attribute(TFOptimizer, "_update_model_variables_moving_average", make,
            "updating sharded moving averages")

@@ -1,7 +1,7 @@
 """The variable behind ``DataParallelStrategy(shard_parameters=True)`` (ZeRO stage 3).
 
 A ``ShardedVariable`` is a ``MirroredVariable`` whose per-replica components are not copies:
-component r holds the flat slice r of the tensor (tfdp/strategy/sharded_parameters.py states the
+component r holds the flat slice r of the tensor (tfdp/strategy/zero3/layout.py states the
 layout and the rule of each read). Everything TensorFlow's machinery does with a mirrored
 variable per replica (its handle in a replica, ``extended.update`` handing the optimizer the
 local component, tf.function capturing each component) then works on shards unchanged; what
@@ -253,7 +253,7 @@ def sharded_container(variable):
     return None
 
 
-# --- Units: where gathered parameters live (strategy/sharded_units.py) ------------------------
+# --- Units: where gathered parameters live (strategy/zero3/units.py) --------------------------
 
 def patch_keras_layer_call(make) -> None:
     """Class patch of ``keras.layers.Layer.__call__``: ``make(original) -> replacement``.

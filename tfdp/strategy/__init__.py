@@ -20,8 +20,7 @@
   (the settings), ``partition`` (the partition rule, pure), ``layout`` and ``gradients`` (what a
   read is), ``parameters`` (creation), ``optimizer`` (updates, clipping), ``units`` and
   ``units_xla`` (units gathered per layer), ``whole_reads`` (whole-tensor reads on several
-  workers, led by the chief). ``sharded_parameters``, ``sharded_units`` and ``whole_reads``
-  here are its names of before, kept as re-exports.
+  workers, led by the chief).
 * ``keras_integration``: the one entry that installs (and uninstalls) tfdp's Keras patches.
 * ``chief_writes``, ``consensus``: what those patches do for stock Keras saving, callbacks and
   decisions on several workers.

@@ -187,7 +187,7 @@ def _run_exit_hooks(hooks):
     for hook in reversed(hooks):
         try:
             hook()
-        except Exception as e:  # noqa: BLE001  run the rest, then report the first
+        except Exception as e:  # run the rest, then report the first
             error = error or e
     if error is not None:
         raise error

@@ -16,7 +16,7 @@ strategy's collectives and from the Keras integration. Four rules, one per mecha
 Orderly exit. At interpreter exit, unless the process is failing (an uncaught exception, or a non-zero
 ``sys.exit``), every worker first runs the hooks given to ``before_leaving`` (ZeRO-3's
 whole-tensor reads: the chief lets the others go, the others serve its reads until it does,
-whole_reads.py), then waits at one coordination-service barrier (at most the strategy's
+zero3/whole_reads.py), then waits at one coordination-service barrier (at most the strategy's
 collective timeout; it fails as soon as the service finds a peer dead), then the chief, whose
 process hosts the service, waits until the other workers' processes are gone (at most
 ``CHIEF_EXIT_DRAIN_SECONDS``) before it exits. Failing exits never wait and keep their exit

@@ -242,7 +242,7 @@ def elements_in_range(slices, width, start, size):
     + size)`` of the flattened table, as a ``tf.IndexedSlices`` of a 1-D tensor of ``size``
     elements: one entry per element of every row, in row order, indices relative to
     ``start``; rows at one index are not added (ZeRO-3's slice of one device's sparse
-    gradient, sharded_parameters.py). Elementwise rules (Adam's and Adagrad's squares, the
+    gradient, zero3/gradients.py). Elementwise rules (Adam's and Adagrad's squares, the
     squared norms of ``clipnorm`` and ``global_clipnorm``) give on these elements what they
     give on the rows. Only the rows that reach into the range are expanded to elements.
     ``width``, ``start`` and ``size`` are ints.

@@ -516,7 +516,7 @@ def install_keras_hooks():
             if strategy is None:
                 return original(self)
             return resolve_auto_jit_compile(
-                strategy.extended._tfdp_device_type,  # noqa: SLF001 (tfdp's own)
+                strategy.extended._tfdp_device_type,  # tfdp's own
                 _tf_private.keras_model_supports_jit(self), strategy.num_replicas_in_sync,
                 _keras_step(self, "train_step") and _keras_step(self, "test_step"))
         return _resolve_auto_jit_compile
