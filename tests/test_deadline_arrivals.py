@@ -30,7 +30,7 @@ class FakeStrategy:
         self.cluster = FakeCluster(rank, num_workers)
         self.timeout_seconds = timeout_seconds
         if key is not None:
-            self._tfdp_key_base = key
+            self.key_base = key
 
 
 class FakeService:

@@ -153,7 +153,7 @@ def test_read_numbers_survive_a_reset_and_the_registry_does_not():
         cluster = Cluster()
 
         def __init__(self, key):
-            self._tfdp_key_base = key
+            self.key_base = key
 
     before = whole_reads.take_number()
     first, second = Strategy(7_000_000), Strategy(8_000_000)

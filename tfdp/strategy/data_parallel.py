@@ -349,6 +349,10 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
                            doc="ZeRO-3: layer classes gathered as one unit each.")
     random_draws = property(lambda self: self._tfdp_random_draws,
                             doc="'as_one_device' or 'independent' (strategy/randomness.py).")
+    key_base = property(lambda self: self._tfdp_key_base,
+                        doc="This strategy's id: the base of its collective-key range, the same "
+                            "on every worker (each builds its strategies in one order); tfdp "
+                            "names its coordination-service keys with it.")
 
     @property
     def local_devices(self) -> list:

@@ -198,14 +198,12 @@ _watchdog = Watchdog(_abort_collectives)
 def strategy_key(strategy):
     """The id that names ``strategy`` in coordination-service keys, or None.
 
-    Reads the base of the strategy's collective-key range, which DataParallelStrategy draws
-    from one process-wide counter at construction: the same on every worker (each builds its
-    strategies in one order) and different for each strategy of a process. Other strategies
-    have none.
+    Reads ``DataParallelStrategy.key_base``, the base of the strategy's collective-key range,
+    drawn from one process-wide counter at construction: the same on every worker (each
+    builds its strategies in one order) and different for each strategy of a process. Other
+    strategies have none.
     """
-    # DataParallelStrategy keeps it private (``_tfdp_key_base``); read here, in one place, until
-    # it has a public accessor.
-    return getattr(strategy, "_tfdp_key_base", None)
+    return getattr(strategy, "key_base", None)
 
 
 class Arrivals:

@@ -78,7 +78,7 @@ class WholeReadError(RuntimeError):
 def register(strategy, gather) -> str:
     """Registers a sharded variable of ``strategy`` (several workers) whose whole read is
     ``gather()`` (the collective, without this protocol); returns its read id."""
-    key = strategy._tfdp_key_base  # tfdp's own strategy: one id per strategy
+    key = strategy.key_base  # tfdp's own strategy: one id per strategy
     with _lock:
         number = _counts.get(key, 0)
         _counts[key] = number + 1
