@@ -60,25 +60,12 @@ class ShardSpec:
     name: str = ""
     read_id: str = ""
 
-    @property
-    def num_elements(self) -> int:
-        return self.partition.num_elements
-
-    @property
-    def num_shards(self) -> int:
-        return self.partition.num_shards
-
-    @property
-    def first_shard(self) -> int:
-        return self.partition.first_shard
-
-    @property
-    def shard_size(self) -> int:
-        return self.partition.shard_size
-
-    @property
-    def pad(self) -> int:
-        return self.partition.pad
+    # The partition's numbers, read through the layout (what every caller holds).
+    num_elements = property(lambda self: self.partition.num_elements)
+    num_shards = property(lambda self: self.partition.num_shards)
+    first_shard = property(lambda self: self.partition.first_shard)
+    shard_size = property(lambda self: self.partition.shard_size)
+    pad = property(lambda self: self.partition.pad)
 
     # --- slices of a whole tensor (creation, assignment) ------------------------------------
     def flat_padded(self, value):
