@@ -304,6 +304,39 @@ def test_the_doc_names_every_module():
     assert not missing, f"docs/architecture.md does not name: {missing}"
 
 
+
+def unnamed_in_module_maps(root: pathlib.Path) -> dict:
+    """``{package: [its modules its docstring does not name]}`` for every package under
+    ``root`` but the top one (whose map is docs/architecture.md)."""
+    missing = {}
+    for init in sorted(root.rglob("__init__.py")):
+        package = init.parent
+        if package == root:
+            continue
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        names = [p.stem for p in package.glob("*.py") if p.stem != "__init__"]
+        names += [d.name for d in package.iterdir() if (d / "__init__.py").is_file()]
+        unnamed = sorted(n for n in names
+                         if not re.search(rf"(?<![\w]){re.escape(n)}(?!\w)", doc))
+        if unnamed:
+            missing[str(package.relative_to(root.parent))] = unnamed
+    return missing
+
+
+def test_every_package_docstring_maps_its_modules():
+    missing = unnamed_in_module_maps(REPO / "tfdp")
+    assert not missing, f"module maps (package docstrings) leave out: {missing}"
+
+
+def test_guard_the_module_map_check_sees_a_module_left_out(tmp_path):
+    package = tmp_path / "top" / "pkg"
+    package.mkdir(parents=True)
+    (tmp_path / "top" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text('"""``named``: one module."""\n')
+    (package / "named.py").write_text("")
+    (package / "left_out.py").write_text("")
+    assert unnamed_in_module_maps(tmp_path / "top") == {"top/pkg": ["left_out"]}
+
 # --- pure Python ------------------------------------------------------------------------------
 
 def test_pure_python_parts_import_no_tensorflow():

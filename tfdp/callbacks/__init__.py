@@ -19,6 +19,7 @@ Thin callbacks, one idea each, over the mechanisms in ``tfdp.resilience``:
   needs still runs on every worker (TensorFlow's multi-worker convention); ``per_worker_path``
   names a path every worker writes itself (per-worker logs).
 
+``_running`` holds the running ``fit``'s ``BackupAndRestore`` for the others to reach.
 Exit codes are ``tfdp.protocol``'s.
 """
 

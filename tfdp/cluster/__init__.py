@@ -3,7 +3,9 @@
 One module per source, each returning a plain ``Layout`` (``layout.py``): ``tf_config``
 (TF_CONFIG), ``vertex`` (CLUSTER_SPEC), ``sagemaker`` (SM_HOSTS), ``slurm`` (an srun step),
 ``kubernetes`` (a pod of an indexed Job or JobSet), ``resolver`` (a ClusterResolver);
-``gpus`` says which GPUs each of several workers on one host takes.
+``gpus`` says which GPUs each of several workers on one host takes; ``placement`` gives
+Horovod's ranks (local, cross) from the worker addresses; ``ray_train`` puts Ray Train's
+workers on 127.0.0.1 when they share this host.
 ``errors`` is the leaf they share; ``config`` builds ``ClusterConfig`` and states the order in
 which ``from_env`` tries the sources.
 """

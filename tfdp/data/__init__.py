@@ -6,6 +6,8 @@ and ``sharding_info``. The guide, with every rule and what was measured, is docs
 each module states its own rule:
 
 * ``sources``: ``Files``, ``Service`` and what ``distribute`` accepts;
+* ``errors``: ``DataShardingError`` (every refusal names the problem and the fix);
+* ``plan``: how each input pipeline builds its stream, decided once per ``distribute`` call;
 * ``policy``: the pure sharding policy (``choose_shard_policy``, ``steps_per_epoch``,
   ``per_replica_batch_size``, ``resume_is_exact``, ``unseeded_random_action``);
 * ``graph``: reading a dataset's graph (files, FILE sharding, batching, unseeded shuffles);

@@ -2,6 +2,7 @@
 
 * ``cli``: the command line and the supervision loop (start an attempt, watch it, act on the
   policy's decision). ``tfdp-run`` and ``python -m tfdp.run`` enter here.
+* ``arguments``: the flags, their checks and defaults (``parse_args``).
 * ``policy``: the pure restart and membership rule (``decide``): what happened -> what to do.
 * ``processes``: starting and stopping worker processes, local or over ssh, and their logs.
 * ``hosts``: ``--hosts``/``--hostfile`` parsing, slots, the address each worker binds.

@@ -4,7 +4,8 @@
   trust-ratio math and exclusions.
 * ``sharded.py``: ``ShardedOptimizer`` (ZeRO-1/2): each replica keeps the state of its own
   partition of the variables; ``sharded_state.py`` gathers that state into a form any replica
-  count restores.
+  count restores; ``exchange.py`` its reduce-scatter and all-gather in rounds of bounded size,
+  ``packing.py`` the flat rows (one per replica) they exchange.
 * ``schedules.py``: warmup + decay learning-rate schedules and ``scale_learning_rate``
   (also importable as ``tfdp.schedules``).
 """

@@ -8,6 +8,8 @@
   ``find_stragglers``).
 * ``tfdp.resilience.elastic``: what a worker tells its launcher (``mark_progress``,
   ``request_eviction``), ``membership_allows_eviction``, ``elastic_batch_size``.
+* ``tfdp.resilience.compile_cache``: XLA's persistent compilation cache for restarts (where it
+  lives, its checks, its size bound).
 
 Everything that decides (``resume_position``, ``should_back_up``, ``find_stragglers``,
 ``membership_allows_eviction``, ``elastic_batch_size``) is a pure function. Every name is

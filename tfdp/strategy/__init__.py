@@ -9,6 +9,11 @@
   values that ride with the gradients; ``replica_ops``: all-gather, reduce-scatter and
   broadcast in replica order, replica ids.
 * ``xla``: the compiled per-replica step under the strategy.
+* ``gradient_hooks``: tfdp's hooks in Keras's optimizer (gradients reduced before clipping,
+  one overflow decision); ``sparse_gradients``: ``tf.IndexedSlices`` reduced into one device's
+  form; ``replica_batch``: the replica function running in this thread and its batch.
+* ``source_pipeline``: a distributed dataset's source pipeline without tf.data's autotune
+  thread.
 * ``deadline``: the per-step deadline that turns a missing peer into an error.
 * ``agreement``: every worker learns the same small vector (one all-reduce, under the deadline).
 * ``timing``: when a step's collectives wait and its batch is in hand (for the straggler
