@@ -22,7 +22,9 @@ def test_the_first_step_mirrors_on_read_and_non_trainable_variables_unevaluated(
 
 
 def test_a_parameter_shards_from_the_threshold_on():
-    decide = lambda shape, **kw: partition.kind_of(shape=shape, floating=True, **kw)  # noqa: E731
+    def decide(shape, **kw):
+        return partition.kind_of(shape=shape, floating=True, **kw)
+
     assert decide((128, 128), min_elements=DEFAULT_SHARD_MIN_ELEMENTS) is Kind.PARAMETER
     assert decide((128, 127), min_elements=DEFAULT_SHARD_MIN_ELEMENTS) is None
     assert decide((10,), min_elements=10) is Kind.PARAMETER
