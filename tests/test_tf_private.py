@@ -716,9 +716,8 @@ def test_each_area_module_imports_on_its_own_first():
 
 def test_area_modules_import_core_and_no_circle():
     """Statically: an area module imports, of tfdp, only ``tfdp._tf_private.<area>`` modules
-    (never the package, whose __init__ imports the areas) and ``tfdp.process_state`` (the
-    bottom layer, which imports nothing of tfdp: core registers its patches there), core no
-    area, and the imports between areas have no circle."""
+    (never the package, whose __init__ imports the areas), core no area, and the imports
+    between areas have no circle."""
     import ast
     import pathlib
 
@@ -733,8 +732,6 @@ def test_area_modules_import_core_and_no_circle():
                          node, ast.ImportFrom) and node.module == "tfdp"
                      else [node.module] if isinstance(node, ast.ImportFrom) else [])
             for name in names:
-                if name == "tfdp.process_state":
-                    continue
                 if name and (name == "tfdp" or name.startswith("tfdp.")):
                     assert name.startswith("tfdp._tf_private."), (area, name)
                     found.add(name.rsplit(".", 1)[1])

@@ -8,6 +8,7 @@ now. ``tfdp.reset()`` forgets them all, so a notebook that resets hears them aga
 from __future__ import annotations
 
 import threading
+
 from tfdp import process_state
 
 __all__ = ["first_time", "forget", "said"]

@@ -44,6 +44,7 @@ each imports on its own.
 
 from __future__ import annotations
 
+from tfdp import process_state
 from tfdp._tf_private.core import (
     PrivateAPIError,
     get_private,
@@ -271,3 +272,12 @@ __all__ = [
     "patch_keras_distribute_dataset", "patch_keras_set_distribution",
     "patch_keras_variable_initialize", "set_keras_distribution_quietly",
 ]
+
+
+# The patch registry (core's) is process state: ``tfdp.reset()`` restores TensorFlow and Keras.
+# Declared here, not in core, so that core imports nothing of tfdp and loads on its own (the
+# area modules' rule; tools/bench_multiworker_step.py loads another commit's core by path).
+process_state.register(
+    "patches", "tfdp._tf_private.core",
+    lambda: tuple(sorted(f"{getattr(o, '__name__', o)}.{n}" for o, n in patched())),
+    restore_patches)

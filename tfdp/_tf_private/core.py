@@ -17,7 +17,6 @@ are public within the package (every area uses them), not to tfdp outside it.
 from __future__ import annotations
 
 import threading
-from tfdp import process_state
 
 
 class PrivateAPIError(AttributeError):
@@ -138,9 +137,3 @@ def restore_patches() -> int:
             else:
                 setattr(owner, name, original)
         return len(entries)
-
-
-process_state.register(
-    "patches", __name__,
-    lambda: tuple(sorted(f"{getattr(o, '__name__', o)}.{n}" for o, n in patched())),
-    restore_patches)

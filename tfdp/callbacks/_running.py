@@ -5,6 +5,7 @@ agreed step) and ``DatasetEpoch`` leaves the dataset's position to it.
 """
 
 from __future__ import annotations
+
 from tfdp import process_state
 
 _backup = None

@@ -16,6 +16,7 @@ import weakref
 
 import tensorflow as tf
 
+from tfdp import process_state
 from tfdp import _tf_private
 from tfdp.strategy import randomness
 from tfdp.data import pipeline, service as service_lib
@@ -24,7 +25,6 @@ from tfdp.data.plan import make_plan, service_plan
 from tfdp.data.policy import batches_per_pipeline, per_replica_batch_size, steps_per_epoch
 from tfdp.data.position import EpochState
 from tfdp.data.sources import normalise_service, normalise_source
-from tfdp import process_state
 
 _latest = None  # weakref to the most recent distribute() result
 

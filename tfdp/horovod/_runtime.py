@@ -34,10 +34,10 @@ from __future__ import annotations
 import logging
 import threading
 
+from tfdp import process_state
 from tfdp.cluster import ClusterConfig
 from tfdp.cluster.gpus import local_gpus
 from tfdp.cluster.placement import Placement, placement  # the rule's home
-from tfdp import process_state
 
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
            "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported",

@@ -37,11 +37,11 @@ import threading
 import numpy as np
 import tensorflow as tf
 
+from tfdp import process_state
 from tfdp.horovod import _runtime
 from tfdp.strategy import collectives as _tfdp_collectives
 from tfdp.strategy import deadline
 from tfdp.strategy import replica_ops as _tfdp_replica_ops
-from tfdp import process_state
 
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression", "allreduce",
            "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",

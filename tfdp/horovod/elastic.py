@@ -41,9 +41,9 @@ import tempfile
 import keras
 import numpy as np
 
+from tfdp import process_state
 from tfdp.horovod import _runtime, collectives
 from tfdp.protocol import CONTROL_DIR_ENV, ELASTIC_DIR_ENV, JOB_DIR_PREFIX
-from tfdp import process_state
 
 __all__ = ["run", "State", "ObjectState", "TensorFlowState", "TensorFlowKerasState",
            "KerasState", "CommitStateCallback", "UpdateBatchStateCallback",

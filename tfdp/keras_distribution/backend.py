@@ -25,12 +25,12 @@ import logging
 import os
 import threading
 
+from tfdp import process_state
 from tfdp import _tf_private
 from tfdp.cluster import ClusterConfig
 from tfdp.keras_distribution import plan as plan_lib
 from tfdp.keras_distribution.plan import KerasDistributionError
 from tfdp.strategy import devices as devices_lib
-from tfdp import process_state
 
 __all__ = ["install", "clear", "describe", "strategy_for", "list_devices", "initialize",
            "KerasDistributionError"]

@@ -47,6 +47,7 @@ import os
 import shutil
 import tempfile
 import threading
+
 from tfdp import process_state
 
 __all__ = ["activate", "deactivate", "install", "per_worker_path", "should_redirect", "handling_enabled",

@@ -48,6 +48,7 @@ import contextlib
 import functools
 import threading
 import time
+
 from tfdp import process_state
 
 __all__ = ["FIRST_STEP_FACTOR", "deadline_seconds", "overdue_message", "Watchdog", "watching",
@@ -194,7 +195,6 @@ def _abort_collectives(message):
 _watchdog = Watchdog(_abort_collectives)
 
 
-
 def strategy_key(strategy):
     """The id that names ``strategy`` in coordination-service keys, or None.
 
@@ -237,6 +237,13 @@ class Arrivals:
         self._posted = False
         self._watched = None  # (seconds, describe) while watch() runs
 
+    def can_post(self) -> bool:
+        """Whether there is a coordination service to post arrivals in (several workers, a
+        tfdp strategy)."""
+        from tfdp import _tf_private
+
+        return self._postable and _tf_private.coordination_service_configured()
+
     def arrive(self) -> None:
         """Takes this meeting's number (when numbered) and posts this worker's arrival where
         there is a coordination service to post it in."""
@@ -245,7 +252,7 @@ class Arrivals:
         if self._numbered:
             self.number = _next_call_number(self._base)
             self.key = f"{self._base}/{self.number}"
-        if not (self._postable and _tf_private.coordination_service_configured()):
+        if not self.can_post():
             return
         rank = self._cluster.rank
         _tf_private.publish_to_coordination_service(f"{self.key}/{rank}", "1")
@@ -310,9 +317,10 @@ def watching(strategy, what: str, first: bool = False):
         yield
         return
     meeting = Arrivals(strategy, "first-step", what, numbered=True)
-    if first:
+    if first and meeting.can_post():
         # Later runs meet in the step's own collectives; only the first is worth a post (every
-        # worker builds its step functions in one order, so the numbers agree).
+        # worker builds its step functions in one order, so the numbers agree). Alone, nothing
+        # is posted and no number is taken (none would be read).
         meeting.arrive()
     with meeting.watch(seconds, functools.partial(overdue_message, what)):
         yield

@@ -47,12 +47,12 @@ from __future__ import annotations
 import functools
 import inspect
 
+from tfdp import process_state
 from tfdp import _tf_private
 from tfdp.strategy import (chief_writes, consensus, gradient_hooks, is_data_parallel,
                            randomness, xla)
 from tfdp.strategy.zero3 import optimizer as zero3_optimizer
 from tfdp.strategy.zero3 import units as zero3_units
-from tfdp import process_state
 
 __all__ = ["install", "uninstall", "installed", "install_fit_input", "fit_input", "at_fit_exit",
            "require", "add_feature", "installed_features", "FEATURES"]

@@ -44,9 +44,9 @@ import sys
 import threading
 import time
 
+from tfdp import process_state
 from tfdp.cluster import ClusterConfig
 from tfdp.protocol import ORDERLY_EXIT_ENV, READY_FILE_ENV
-from tfdp import process_state
 
 __all__ = ["register", "release", "before_leaving", "worker_address", "leave_together_at_exit", "announce_joining", "announce_joined",
            "take_back_sigterm", "job", "ORDERLY_EXIT_ENV", "CHIEF_EXIT_DRAIN_SECONDS"]

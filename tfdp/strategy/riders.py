@@ -23,6 +23,7 @@ import threading
 import weakref
 
 import tensorflow as tf
+
 from tfdp import process_state
 
 __all__ = ["add_gradient_rider", "remove_gradient_rider", "riding_with_gradients", "board",

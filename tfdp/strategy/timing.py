@@ -16,6 +16,7 @@ Imports no TensorFlow until a step is traced.
 from __future__ import annotations
 
 import threading
+
 from tfdp import process_state
 
 __all__ = ["listen", "stop_listening", "listening", "note_wait", "install_collective_timing",

@@ -112,4 +112,5 @@ def config_of(strategy) -> Zero3Config:
     Args:
         strategy: any object; tfdp's strategy and its extended object carry ``_tfdp_zero3``.
     """
-    return getattr(strategy, "_tfdp_zero3", None) or DISABLED
+    config = getattr(strategy, "_tfdp_zero3", None)
+    return DISABLED if config is None else config

@@ -46,8 +46,8 @@ import socket
 import threading
 import time
 
-from tfdp.strategy import deadline, lifecycle
 from tfdp import process_state
+from tfdp.strategy import deadline, lifecycle
 
 __all__ = ["register", "take_part", "serve_until_the_chief_ends", "end_for_the_others",
            "clear", "registered", "take_number", "WholeReadError"]
