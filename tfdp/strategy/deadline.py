@@ -229,8 +229,9 @@ class Arrivals:
     def __init__(self, strategy, kind: str, name: str = "", numbered: bool = False,
                  prune: bool = False):
         self._cluster = strategy.cluster
-        self._postable = self._cluster.is_multi_worker and strategy_key(strategy) is not None
-        self._base = f"tfdp/{kind}/{strategy_key(strategy)}" + (f"/{name}" if name else "")
+        key = strategy_key(strategy)
+        self._postable = self._cluster.is_multi_worker and key is not None
+        self._base = f"tfdp/{kind}/{key}" + (f"/{name}" if name else "")
         self._numbered, self._prune = numbered, prune
         self.number = None  # set by arrive() when numbered
         self.key = None if numbered else self._base
