@@ -349,15 +349,28 @@ def test_config_round_trip_keeps_accumulation_mode():
 MW_LAUNCH_TIMEOUT = 240
 
 
+@pytest.fixture(scope="module")
+def two_worker_job(tmp_path_factory):
+    """One tfdp-run job (2 workers x 2 replicas) that trains every case of MW_CASES in turn,
+    each on a model and optimizer of its own, writing to OUT/<case>/: the job's start-up (two
+    TensorFlow processes and the cluster) is paid once for the module."""
+    out_dir = tmp_path_factory.mktemp("zero2-two-workers")
+    environ = worker_env(TFDP_TEST_OUT=out_dir, TFDP_TEST_CASE=",".join(sorted(MW_CASES)),
+                         TF_CPP_MIN_LOG_LEVEL=2)
+    code, out = run_job(tfdp_run_command(worker_script("mw_zero2_worker.py"), cpu_replicas=2),
+                        environ, MW_LAUNCH_TIMEOUT)
+    return code, out, out_dir
+
+
 @pytest.mark.slow
 @pytest.mark.multiworker
 @pytest.mark.parametrize("case", sorted(MW_CASES))
-def test_two_workers_two_replicas_accumulate_like_one_device(tmp_path, case):
-    environ = worker_env(TFDP_TEST_OUT=tmp_path, TFDP_TEST_CASE=case, TF_CPP_MIN_LOG_LEVEL=2)
-    code, out = run_job(tfdp_run_command(worker_script("mw_zero2_worker.py"), cpu_replicas=2),
-                        environ, MW_LAUNCH_TIMEOUT)
+def test_two_workers_two_replicas_accumulate_like_one_device(two_worker_job, case):
+    code, out, out_dir = two_worker_job
     assert code == 0, out
     assert "rank 0: 4 replicas, chief=True" in out
+    assert f"rank 0: {case} done" in out, out
+    tmp_path = out_dir / case
 
     x, y = classification_data()
     w0 = initial_weights(deep_mlp)
