@@ -20,12 +20,15 @@ Environment variables the launcher sets for each worker
     ``TFDP_CPU_REPLICAS``      ``--cpu-replicas K``: ``DataParallelStrategy()`` splits the CPU
                                into K logical replicas.
     ``TFDP_COMPILE_CACHE``     where XLA's compiled programs are kept across restarts and
-                               relaunches (``--compile-cache``; default
-                               ``$XDG_CACHE_HOME/tfdp/xla``, i.e. ``~/.cache/tfdp/xla``), or
-                               ``off``; a value already in tfdp-run's environment is kept.
-                               Read by ``import tfdp`` before TensorFlow initialises its
-                               devices (tfdp.resilience.compile_cache); a ``TF_XLA_FLAGS`` that
-                               names ``--tf_xla_persistent_cache_directory`` wins.
+                               relaunches (``--compile-cache``): a directory, ``off``, or
+                               ``auto`` (the default): beside the backups
+                               (``<backup_dir>-xla-cache``) once the worker creates a
+                               ``BackupAndRestore``, until then ``$XDG_CACHE_HOME/tfdp/xla``
+                               (``~/.cache/tfdp/xla``) of the worker's host. A value already in
+                               tfdp-run's environment is kept. Read by ``import tfdp`` before
+                               TensorFlow initialises its devices (tfdp.resilience.compile_cache);
+                               a ``TF_XLA_FLAGS`` that names
+                               ``--tf_xla_persistent_cache_directory`` wins.
     ``HOROVOD_RANK``, ``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK``, ``HOROVOD_LOCAL_SIZE``,
     ``HOROVOD_CROSS_RANK``, ``HOROVOD_CROSS_SIZE``, and ``OMPI_COMM_WORLD_RANK``, ``_SIZE``,
     ``_LOCAL_RANK``, ``_LOCAL_SIZE``
@@ -41,8 +44,9 @@ Environment variables the user may set
                                under tfdp-run on one machine, the job's own directory (removed
                                when the job ends); else a private temporary directory
                                (tfdp.horovod.elastic).
-    ``TFDP_COMPILE_CACHE``     also outside tfdp-run: a directory, or ``off`` (then not even a
-                               ``BackupAndRestore`` created early puts one beside its backups).
+    ``TFDP_COMPILE_CACHE``     also outside tfdp-run: a directory, ``auto`` (as tfdp-run's
+                               workers), or ``off`` (then not even a ``BackupAndRestore`` created
+                               early puts one beside its backups).
     ``TFDP_COMPILE_CACHE_MAX_MB`` the cache's size bound (default 4096): the oldest entries
                                are evicted when a worker starts.
     ``TFDP_ORDERLY_EXIT``      ``0`` turns off the workers' exit barrier (tfdp.strategy.lifecycle).
@@ -98,7 +102,8 @@ __all__ = [
     "MIN_WORKERS_ENV", "RESTARTS_LEFT_ENV", "GRACE_ENV", "CPU_REPLICAS_ENV", "ORDERLY_EXIT_ENV",
     "EVICT_FILE", "JOB_DIR_PREFIX", "progress_file", "DEFAULT_GRACE_SECONDS", "PORT_BASE_ENV",
     "EVICT_EXIT_CODE_ENV", "PREEMPTION_SIGNALS_ENV", "ELASTIC_DIR_ENV", "COMPILE_CACHE_ENV",
-    "COMPILE_CACHE_MAX_MB_ENV", "default_compile_cache_dir", "restart_requested_exit_code",
+    "COMPILE_CACHE_MAX_MB_ENV", "COMPILE_CACHE_AUTO", "default_compile_cache_dir",
+    "restart_requested_exit_code",
     "EXIT_RESTART_REQUESTED", "EXIT_TIMEOUT", "EXIT_NEVER_JOINED", "EXIT_CANNOT_START",
     "EXIT_INTERRUPTED", "EXIT_PREEMPTED", "EXIT_TERMINATED", "EXIT_HOST_UNREACHABLE",
     "exit_code_of", "describe_exit",
@@ -120,6 +125,7 @@ PREEMPTION_SIGNALS_ENV = "TFDP_PREEMPTION_SIGNALS"
 ELASTIC_DIR_ENV = "TFDP_ELASTIC_DIR"
 COMPILE_CACHE_ENV = "TFDP_COMPILE_CACHE"
 COMPILE_CACHE_MAX_MB_ENV = "TFDP_COMPILE_CACHE_MAX_MB"
+COMPILE_CACHE_AUTO = "auto"  # tfdp-run's default TFDP_COMPILE_CACHE
 
 EVICT_FILE = "evict.json"
 JOB_DIR_PREFIX = "tfdp-run-"
@@ -167,9 +173,15 @@ def restart_requested_exit_code(environ=None) -> int:
 
 
 def default_compile_cache_dir(environ=None) -> str:
-    """tfdp-run's default ``TFDP_COMPILE_CACHE``: ``$XDG_CACHE_HOME/tfdp/xla`` (XDG's default
-    ``~/.cache``). Per user, so every relaunch of a job finds it; entries are named by what
-    makes them valid (tfdp.resilience.compile_cache), so jobs can share it."""
+    """Where ``TFDP_COMPILE_CACHE=auto`` (tfdp-run's default) keeps compiled programs until a
+    ``BackupAndRestore`` moves them beside its backups: ``$XDG_CACHE_HOME/tfdp/xla`` (XDG's
+    default ``~/.cache``). Per user, so every relaunch of a job on this host finds it; entries
+    are named by what makes them valid (tfdp.resilience.compile_cache), so jobs can share it.
+
+    Args:
+        environ: the environment to read ``XDG_CACHE_HOME`` and ``HOME`` from (default
+            ``os.environ``): each worker reads its own host's.
+    """
     environ = os.environ if environ is None else environ
     home = environ.get("HOME") or os.path.expanduser("~")
     base = environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache")

@@ -163,8 +163,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._restart_request = None
         self.restored_step = None  # global step of the backup this run resumed from
         self.last_backup_seconds = None
-        # XLA's compiled programs beside the backups, when TensorFlow has not read its flags
-        # yet (otherwise TFDP_COMPILE_CACHE / tfdp-run decide: tfdp.resilience.compile_cache).
+        # XLA's compiled programs beside the backups, where every restart and relaunch finds
+        # them: under tfdp-run's default (TFDP_COMPILE_CACHE=auto) the cache moves there now,
+        # else only if TensorFlow has not read its flags yet (tfdp.resilience.compile_cache).
         compile_cache.configure_beside_backups(self.backup_dir,
                                                _tf_private.eager_context_initialized())
         self._first_step = None

@@ -74,12 +74,11 @@ from tfdp.launcher import policy as restart_policy
 from tfdp.launcher import processes
 from tfdp.launcher.hosts import ranks_by_host, slot_hosts
 from tfdp.launcher.processes import Attempt, SshConfig, WorkerLog, free_ports
-from tfdp.protocol import (COMPILE_CACHE_ENV, CPU_REPLICAS_ENV, DEFAULT_GRACE_SECONDS, EVICT_FILE,
-                           JOB_DIR_PREFIX,
+from tfdp.protocol import (COMPILE_CACHE_AUTO, COMPILE_CACHE_ENV, CPU_REPLICAS_ENV,
+                           DEFAULT_GRACE_SECONDS, EVICT_FILE, JOB_DIR_PREFIX,
                            EXIT_CANNOT_START, EXIT_INTERRUPTED, EXIT_NEVER_JOINED,
                            EXIT_PREEMPTED, EXIT_TERMINATED, EXIT_TIMEOUT, GRACE_ENV,
-                           MIN_WORKERS_ENV, RESTARTS_LEFT_ENV, default_compile_cache_dir,
-                           describe_exit,
+                           MIN_WORKERS_ENV, RESTARTS_LEFT_ENV, describe_exit,
                            restart_requested_exit_code)
 
 __all__ = ["main", "parse_args", "free_ports", "tf_configs", "Attempt", "Launcher",
@@ -117,8 +116,9 @@ class Launcher:
         log_dir: where worker logs go; None: a fresh temporary directory.
         pass_env: more variable names remote workers get.
         tf_cpp_logs: let workers print TensorFlow's C++ INFO lines.
-        compile_cache: ``TFDP_COMPILE_CACHE`` for the workers (a directory or ``"off"``);
-            None: the environment's, else ``tfdp.protocol.default_compile_cache_dir()``.
+        compile_cache: ``TFDP_COMPILE_CACHE`` for the workers (a directory, ``"off"`` or
+            ``"auto"``); None: the environment's, else ``"auto"`` (beside the backups of the
+            workers' ``BackupAndRestore``, until then ``default_compile_cache_dir()``).
         verbose: log every worker's rank, slot, host and address at each attempt.
     """
 
@@ -139,10 +139,13 @@ class Launcher:
             self.env.setdefault(TF_CPP_LOG_ENV, TF_CPP_QUIET)
         if cpu_replicas:
             self.env[CPU_REPLICAS_ENV] = str(cpu_replicas)
-        # XLA's compiled programs survive restarts (tfdp.resilience.compile_cache).
+        # XLA's compiled programs survive restarts (tfdp.resilience.compile_cache). "auto", not
+        # a path: each worker resolves it on its own host, and only under "auto" may its
+        # BackupAndRestore move the cache beside the backups (a directory named here or in
+        # the environment is the user's choice and stays).
         if compile_cache:
             self.env[COMPILE_CACHE_ENV] = compile_cache
-        self.env.setdefault(COMPILE_CACHE_ENV, default_compile_cache_dir(self.env))
+        self.env.setdefault(COMPILE_CACHE_ENV, COMPILE_CACHE_AUTO)
         # Workers ask for a restart without a worker with this code (75 unless
         # TFDP_EVICT_EXIT_CODE says otherwise); ValueError names a bad value.
         self.restart_code = restart_requested_exit_code(self.env)

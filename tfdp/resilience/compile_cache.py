@@ -4,9 +4,11 @@ Rule. TensorFlow keeps XLA's compiled programs in a directory when ``TF_XLA_FLAG
 (``--tf_xla_persistent_cache_directory``), and reads that variable once, when it first
 initialises its devices. So tfdp decides *before* that moment, in the process's environment:
 a user's ``TF_XLA_FLAGS`` that names a cache directory wins (tfdp then touches nothing);
-else ``TFDP_COMPILE_CACHE`` (``off``, or a directory; ``tfdp-run`` sets it for every worker)
-says where; else a ``BackupAndRestore`` created before TensorFlow initialised its devices puts
-the cache beside its backups (``<backup_dir>-xla-cache``). Before TensorFlow may read it,
+else ``TFDP_COMPILE_CACHE`` says where: ``off``; a directory; or ``auto`` (``tfdp-run``'s
+default for every worker), the per-user ``$XDG_CACHE_HOME/tfdp/xla`` until a
+``BackupAndRestore(backup_dir)`` moves the process's cache beside its backups
+(``<backup_dir>-xla-cache``, below); else a ``BackupAndRestore`` created before TensorFlow
+initialised its devices puts the cache beside its backups. Before TensorFlow may read it,
 tfdp makes the directory safe for TensorFlow's reader, which fails the step on any bad entry
 (measured, TF 2.21: a truncated entry raises ``OutOfRangeError``, garbage ``DataLossError``,
 another program's entry ``InvalidArgumentError``, an unwritable directory ``NotFoundError``):
@@ -24,24 +26,50 @@ another program's entry ``InvalidArgumentError``, an unwritable directory ``NotF
 Several writers are safe: TensorFlow writes each entry to a temporary file in the directory
 and renames it into place (measured with strace), so a reader sees a whole entry or none.
 
-Pure Python (no TensorFlow): the decisions (``resolve``, ``entry_problem``, ``to_evict``,
-``first_step_verdict``) are pure functions; ``configure`` applies them to an environment.
+Beside the backups, after TensorFlow started (``auto``). A usual script creates its
+``BackupAndRestore`` after TensorFlow read ``TF_XLA_FLAGS``, yet the backup directory is what
+every restart and relaunch finds again (a shared volume, where a pod moved to another node
+loses its home). So under ``auto`` the flag names a symbolic link this process owns, made at
+``import tfdp`` to the per-user directory, which ``BackupAndRestore`` re-points (after the same
+checks) at ``<backup_dir>-xla-cache``. TensorFlow keeps the directory's *name* and opens files
+under it at each XLA compilation (measured, TF 2.21: re-pointed after devices were initialised,
+the first compilation's entry went to the new target; re-pointed after a compilation, the next
+one did; a second process linked there loaded it). Limits, measured too: the read-only flag is
+read once, so only a writable cache moves, and only to a directory tfdp can write; a link to a
+missing target fails every XLA step (``NotFoundError``), so the link never dangles and moves
+atomically (a new link renamed over it). Hence no link for plain scripts: it would need a real
+directory that every compilation writes to even in a job that never makes a ``BackupAndRestore``.
+
+Each worker makes its own link (not tfdp-run): private by construction (a fresh ``mkdtemp`` per
+process: never shared by workers on one host or by jobs), the same on hosts reached over ssh,
+and the launcher stays policy. It goes inside the attempt's ``TFDP_CONTROL_DIR`` when there is
+one, which tfdp-run removes with the job (a SIGKILLed worker's link too); a process removes its
+own at exit. A child process inherits ``TF_XLA_FLAGS``, so it follows the link while it lives.
+
+Pure Python (no TensorFlow): the decisions (``resolve``, ``beside_backups_target``,
+``entry_problem``, ``to_evict``, ``first_step_verdict``) are pure functions; ``configure`` and
+``configure_beside_backups`` apply them to an environment.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import logging
 import os
 import platform
+import shutil
 import sys
+import tempfile
 import time
 from typing import Mapping, MutableMapping, Optional
 
-from tfdp.protocol import COMPILE_CACHE_ENV, COMPILE_CACHE_MAX_MB_ENV
+from tfdp.protocol import (COMPILE_CACHE_AUTO, COMPILE_CACHE_ENV, COMPILE_CACHE_MAX_MB_ENV,
+                           CONTROL_DIR_ENV, default_compile_cache_dir)
 
 __all__ = ["CacheSetting", "resolve", "configure", "configure_beside_backups", "active",
+           "beside_backups_target",
            "cache_prefix", "entry_problem", "check_entries", "to_evict", "evict",
            "first_step_verdict", "FirstStep", "snapshot", "OFF_WORDS", "DEFAULT_MAX_MB",
            "XLA_FLAGS_ENV", "DIRECTORY_FLAG"]
@@ -61,24 +89,28 @@ _SUFFIX = ".pb"
 @dataclasses.dataclass(frozen=True)
 class CacheSetting:
     """What ``resolve`` decided: ``source`` is ``"user"`` (TF_XLA_FLAGS names a cache),
-    ``"off"``, ``"env"`` (TFDP_COMPILE_CACHE), ``"backups"`` or ``"none"``; ``directory``
-    is where tfdp puts the cache (None unless env/backups)."""
+    ``"off"``, ``"env"`` (TFDP_COMPILE_CACHE names a directory), ``"auto"``
+    (``TFDP_COMPILE_CACHE=auto``: the per-user directory until a ``BackupAndRestore`` moves it),
+    ``"backups"`` or ``"none"``; ``directory`` is where tfdp puts the cache (None unless
+    env/auto/backups)."""
     source: str
     directory: Optional[str] = None
 
 
 @dataclasses.dataclass
 class _Active:
-    directory: str
+    directory: str  # where entries go now (a link's current target)
     prefix: str
     read_only: bool
+    link: Optional[str] = None  # the link TF_XLA_FLAGS names (``auto``): it can be re-pointed
+    source: str = "env"  # resolve's source when it was configured
 
 
 _active: Optional[_Active] = None
 
 
 def active() -> Optional[_Active]:
-    """The cache tfdp configured in this process (directory, prefix, read_only), or None."""
+    """The cache tfdp configured in this process (directory, prefix, read_only, link), or None."""
     return _active
 
 
@@ -89,11 +121,37 @@ def resolve(environ: Mapping[str, str], beside_backups: Optional[str] = None) ->
     value = environ.get(COMPILE_CACHE_ENV, "").strip()
     if value.lower() in OFF_WORDS:
         return CacheSetting("off")
+    if value.lower() == COMPILE_CACHE_AUTO:
+        return CacheSetting("auto", default_compile_cache_dir(environ))
     if value:
         return CacheSetting("env", os.path.abspath(os.path.expanduser(value)))
-    if beside_backups and "://" not in beside_backups:
-        return CacheSetting("backups", os.path.abspath(beside_backups.rstrip("/\\")) + "-xla-cache")
-    return CacheSetting("none")
+    beside = _beside(beside_backups)
+    return CacheSetting("backups", beside) if beside else CacheSetting("none")
+
+
+def _beside(backup_dir: Optional[str]) -> Optional[str]:
+    """``<backup_dir>-xla-cache`` for a local backup directory; None for none or a URL (the
+    backups go through TensorFlow's file system there, the cache through ours)."""
+    if not backup_dir or "://" in backup_dir:
+        return None
+    return os.path.abspath(backup_dir.rstrip("/\\")) + "-xla-cache"
+
+
+def beside_backups_target(backup_dir: Optional[str], current: Optional[_Active]) -> Optional[str]:
+    """Where ``BackupAndRestore(backup_dir)`` moves this process's cache now, or None (it
+    stays); pure policy. Only a cache tfdp configured through its own link moves (``auto``, so
+    never a directory the user chose nor a user's ``TF_XLA_FLAGS``), only a writable one
+    (TensorFlow read the read-only flag once), only to a local directory, and only if it is not
+    there already.
+
+    Args:
+        backup_dir: the callback's backup directory (a path or a URL).
+        current: the process's cache (``active()``), or None.
+    """
+    if current is None or current.link is None or current.read_only:
+        return None
+    target = _beside(backup_dir)
+    return None if target is None or target == current.directory else target
 
 
 def _tensorflow_version() -> str:
@@ -329,12 +387,85 @@ def _say_off(directory: str, why: str) -> None:
                 directory, why)
 
 
+def _prepare(directory: str, prefix: str, environ: Mapping[str, str]):
+    """Makes ``directory`` safe for TensorFlow's reader: created, bad entries of ``prefix``
+    removed (with a warning each), the size bound kept. Returns ``(read_only, None)``, or
+    ``(None, why)`` where the directory cannot be used at all."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        return None, f"cannot create it ({e.strerror})"
+    read_only = not _writable(directory)
+    bad = check_entries(directory, prefix, remove=not read_only)
+    if bad and read_only:
+        return None, f"entry {bad[0][0]} is {bad[0][1]} and the directory is read-only"
+    for name, problem in bad:
+        log.warning("tfdp: XLA compile cache: removed %s (%s); its program is compiled again.",
+                    name, problem)
+    if not read_only:
+        evict(directory, _max_bytes(environ))
+    return read_only, None
+
+
+def _remove_link(private: str, owner: int) -> None:
+    # A forked child inherits the exit handler, not the link: only its maker removes it.
+    if os.getpid() == owner:
+        shutil.rmtree(private, ignore_errors=True)  # removes the link, never its target
+
+
+def _make_link(target: str, environ: Mapping[str, str]) -> Optional[str]:
+    """A symbolic link to ``target`` in a fresh private directory (in ``TFDP_CONTROL_DIR``
+    when there is one, else the system's temporary directory), removed at exit.
+
+    Args:
+        target: the directory the link first points at.
+        environ: the process's environment (for ``TFDP_CONTROL_DIR``).
+
+    Returns the link's path, or None (no symlinks, no writable temporary directory, a space
+    TF_XLA_FLAGS cannot hold): the directory itself is named then, and never moves.
+    """
+    control = environ.get(CONTROL_DIR_ENV, "").strip()
+    for parent in ([control] if control and os.path.isdir(control) else []) + [None]:
+        try:
+            private = tempfile.mkdtemp(prefix="tfdp-xla-", dir=parent)
+        except OSError:
+            continue
+        link = os.path.join(private, "cache")
+        try:
+            if any(c.isspace() for c in link):
+                raise OSError("a space in the path")
+            os.symlink(target, link)
+        except OSError:
+            shutil.rmtree(private, ignore_errors=True)
+            continue
+        atexit.register(_remove_link, private, os.getpid())
+        return link
+    return None
+
+
+def _point(link: str, target: str) -> None:
+    """Re-points ``link`` at ``target`` atomically (a new link renamed over it): TensorFlow
+    finds the old target or the new one, never no directory (which fails its step)."""
+    fresh = f"{link}.{os.getpid()}.new"
+    if os.path.lexists(fresh):
+        os.remove(fresh)
+    os.symlink(target, fresh)
+    os.replace(fresh, link)
+
+
 def configure(environ: Optional[MutableMapping[str, str]] = None,
               beside_backups: Optional[str] = None, tf_version: Optional[str] = None,
               hardware: Optional[str] = None) -> CacheSetting:
     """Decides (``resolve``) and, for a tfdp cache, prepares the directory and adds the cache
     flags to ``TF_XLA_FLAGS`` in ``environ``. Call it before TensorFlow initialises its devices
-    (it reads the variable then, once). Idempotent: a process configures its cache once."""
+    (it reads the variable then, once). Idempotent: a process configures its cache once.
+
+    Args:
+        environ: the environment to read and change (default ``os.environ``).
+        beside_backups: a backup directory to put the cache beside when nothing else decides.
+        tf_version: the TensorFlow version for the entries' prefix (default: installed one).
+        hardware: the hardware description for the prefix (default: read from /proc).
+    """
     global _active
     environ = os.environ if environ is None else environ
     setting = resolve(environ, beside_backups)
@@ -344,47 +475,80 @@ def configure(environ: Optional[MutableMapping[str, str]] = None,
     if any(c.isspace() for c in directory):
         _say_off(directory, "TF_XLA_FLAGS cannot hold a path with spaces")
         return CacheSetting("off")
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as e:
-        _say_off(directory, f"cannot create it ({e.strerror})")
-        return CacheSetting("off")
     prefix = cache_prefix(environ, tf_version, hardware)
-    read_only = not _writable(directory)
-    bad = check_entries(directory, prefix, remove=not read_only)
-    if bad and read_only:
-        _say_off(directory, f"entry {bad[0][0]} is {bad[0][1]} and the directory is read-only")
+    read_only, why = _prepare(directory, prefix, environ)
+    if why is not None:
+        _say_off(directory, why)
         return CacheSetting("off")
-    for name, problem in bad:
-        log.warning("tfdp: XLA compile cache: removed %s (%s); its program is compiled again.",
-                    name, problem)
-    if not read_only:
-        evict(directory, _max_bytes(environ))
-    flags = [environ.get(XLA_FLAGS_ENV, "").strip(), f"{DIRECTORY_FLAG}={directory}",
+    # Under ``auto`` TensorFlow gets a link it can be moved through later (module docstring);
+    # a read-only cache is never moved, so it needs none.
+    link = _make_link(directory, environ) if setting.source == "auto" and not read_only else None
+    flags = [environ.get(XLA_FLAGS_ENV, "").strip(), f"{DIRECTORY_FLAG}={link or directory}",
              f"{PREFIX_FLAG}={prefix}"]
     if read_only:
         flags.append(f"{READ_ONLY_FLAG}=true")
         log.warning("tfdp: XLA compile cache %s is read-only here: programs are loaded from it, "
                     "new ones are not saved.", directory)
     environ[XLA_FLAGS_ENV] = " ".join(f for f in flags if f)
-    _active = _Active(directory, prefix, read_only)
+    _active = _Active(directory, prefix, read_only, link, setting.source)
     return setting
+
+
+def _move(current: _Active, target: str, environ: Mapping[str, str]) -> CacheSetting:
+    """Re-points ``current``'s link at ``target`` once ``target`` is safe and writable."""
+    read_only, why = _prepare(target, current.prefix, environ)
+    why = why or ("tfdp cannot write it" if read_only else None)
+    if why is None:
+        try:
+            _point(current.link, target)
+        except OSError as e:
+            why = f"the link {current.link} cannot be re-pointed ({e.strerror})"
+    if why is not None:
+        log.warning("tfdp: XLA compile cache stays at %s, not beside the backups at %s: %s.",
+                    current.directory, target, why)
+        return CacheSetting("auto", current.directory)
+    log.info("tfdp: XLA compile cache now beside the backups: %s (was %s); restarts and "
+             "relaunches with this backup directory load their programs from there.",
+             target, current.directory)
+    current.directory = target
+    return CacheSetting("backups", target)
 
 
 def configure_beside_backups(backup_dir: str, tensorflow_started: bool,
                              environ: Optional[MutableMapping[str, str]] = None) -> CacheSetting:
-    """``BackupAndRestore(backup_dir)``'s part: the cache beside the backups, if TensorFlow has
-    not read its XLA flags yet (``tensorflow_started``: its devices are initialised);
-    otherwise nothing can change for this process, which is said once at INFO."""
-    environ = os.environ if environ is None else environ
+    """``BackupAndRestore(backup_dir)``'s part: the cache beside the backups.
+
+    Under ``TFDP_COMPILE_CACHE=auto`` (tfdp-run's default) the process's link is re-pointed
+    there (``beside_backups_target``), whether or not TensorFlow started. Otherwise, with
+    nothing else deciding, the cache goes there if TensorFlow has not read its XLA flags yet;
+    if it has, nothing can change for this process, which is said once at INFO.
+
+    Args:
+        backup_dir: the callback's backup directory.
+        tensorflow_started: whether TensorFlow initialised its devices (read its flags).
+        environ: the environment to read and change (default ``os.environ``).
+    """
+    environ, current = os.environ if environ is None else environ, _active
+    target = beside_backups_target(backup_dir, current)
+    if target is not None:
+        return _move(current, target, environ)
+    if current is not None:
+        beside = _beside(backup_dir)
+        stays = beside not in (None, current.directory)
+        if current.source == "auto" and not current.link and stays:
+            why = ("it was read-only when TensorFlow read its flags, which it reads once"
+                   if current.read_only else "no link to it could be made at import")
+            log.info("tfdp: XLA compile cache stays at %s, not beside the backups at %s: %s.",
+                     current.directory, beside, why)
+        return CacheSetting(current.source, current.directory)
     setting = resolve(environ, backup_dir)
-    if _active is not None or setting.source != "backups":
+    if setting.source != "backups":
         return setting
     if tensorflow_started:
         log.info("tfdp: XLA compile cache not on: TensorFlow read TF_XLA_FLAGS before "
-                 "BackupAndRestore(%r) was created. Set %s=%s (or launch with tfdp-run) to "
-                 "keep compiled programs across restarts.", backup_dir, COMPILE_CACHE_ENV,
-                 setting.directory)
+                 "BackupAndRestore(%r) was created. Set %s=%s (or %s, or launch with tfdp-run) "
+                 "to keep compiled programs across restarts.", backup_dir, COMPILE_CACHE_ENV,
+                 setting.directory, COMPILE_CACHE_AUTO)
         return CacheSetting("none")
     return configure(environ, backup_dir)
 
