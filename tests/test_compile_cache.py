@@ -70,13 +70,35 @@ def test_resolve_user_flags_win_then_the_switch_then_beside_backups():
         "backups", "/jobs/run1/backup-xla-cache")
     assert cc.resolve({}, "gs://bucket/backup").source == "none"  # TF's writer, not ours
     assert cc.resolve({}).source == "none"
+    auto = {COMPILE_CACHE_ENV: "Auto", "XDG_CACHE_HOME": "/xdg"}
+    assert cc.resolve(auto, "/b") == cc.CacheSetting("auto", "/xdg/tfdp/xla")
+
+
+def _current(directory="/home/u/.cache/tfdp/xla", link="/tmp/tfdp-xla-1/cache", read_only=False):
+    return cc._Active(directory, PREFIX, read_only, link, "auto" if link else "env")
+
+
+def test_only_a_linked_writable_cache_moves_beside_local_backups():
+    """The decision BackupAndRestore applies (no processes, no files)."""
+    assert cc.beside_backups_target("/jobs/r1/backup/", _current()) == "/jobs/r1/backup-xla-cache"
+    assert cc.beside_backups_target("/b", None) is None  # no cache in this process
+    # a directory the user chose (TFDP_COMPILE_CACHE=DIR, --compile-cache DIR, TF_XLA_FLAGS)
+    # is configured without a link: it stays
+    assert cc.beside_backups_target("/b", _current(link=None)) is None
+    # TensorFlow read the read-only flag once: a read-only cache would stay read-only there
+    assert cc.beside_backups_target("/b", _current(read_only=True)) is None
+    assert cc.beside_backups_target("gs://bucket/backup", _current()) is None
+    assert cc.beside_backups_target("/b", _current(directory="/b-xla-cache")) is None  # there
+    assert cc.beside_backups_target("", _current()) is None
 
 
 def test_tfdp_run_sets_the_switch_for_its_workers(tmp_path):
     policy = Policy(num_workers=1)
     env = {"HOME": str(tmp_path)}
-    assert Launcher(["true"], policy, env=env).env[COMPILE_CACHE_ENV] == \
+    assert Launcher(["true"], policy, env=env).env[COMPILE_CACHE_ENV] == "auto"
+    assert cc.resolve({COMPILE_CACHE_ENV: "auto", **env}).directory == \
         default_compile_cache_dir(env) == str(tmp_path / ".cache" / "tfdp" / "xla")
+    assert Launcher(["true"], policy, env=env, compile_cache="/d").env[COMPILE_CACHE_ENV] == "/d"
     assert Launcher(["true"], policy, env=env, compile_cache="off").env[COMPILE_CACHE_ENV] == "off"
     kept = dict(env, **{COMPILE_CACHE_ENV: "/shared/xla"})
     assert Launcher(["true"], policy, env=kept).env[COMPILE_CACHE_ENV] == "/shared/xla"
@@ -150,6 +172,53 @@ def test_configure_removes_a_bad_entry_evicts_and_sets_the_flags(tmp_path, fresh
     assert cc.active().directory == str(tmp_path) and not cc.active().read_only
 
 
+def test_auto_links_the_default_and_backup_and_restore_moves_the_link(tmp_path, fresh, caplog):
+    """Under ``auto`` TF_XLA_FLAGS names a link in a private directory (inside the attempt's
+    control directory), which ``configure_beside_backups`` re-points at <backup_dir>-xla-cache
+    after checking that directory (a bad entry there is removed); a second BackupAndRestore of
+    the same directory changes nothing, and the link is removed at exit, not its target.
+    Guard: with the re-point disabled (``_point`` a no-op, run once) this failed at the
+    readlink assertion after configure_beside_backups."""
+    control = tmp_path / "control"
+    control.mkdir()
+    env = {COMPILE_CACHE_ENV: "auto", "XDG_CACHE_HOME": str(tmp_path / "xdg"),
+           "TFDP_CONTROL_DIR": str(control)}
+    default = tmp_path / "xdg" / "tfdp" / "xla"
+    assert cc.configure(env, tf_version="tf", hardware="hw") == \
+        cc.CacheSetting("auto", str(default))
+    active = cc.active()
+    link = active.link
+    assert os.path.dirname(os.path.dirname(link)) == str(control)
+    assert f"--tf_xla_persistent_cache_directory={link} " in env["TF_XLA_FLAGS"]
+    assert os.readlink(link) == str(default) and active.directory == str(default)
+    beside = tmp_path / "job" / "backup-xla-cache"
+    beside.mkdir(parents=True)
+    bad_name, bad = _entry(prefix=active.prefix)
+    (beside / bad_name).write_bytes(bad[:20])
+    with caplog.at_level(logging.INFO, logger="tfdp"):
+        moved = cc.configure_beside_backups(str(tmp_path / "job" / "backup"), True, env)
+    assert moved == cc.CacheSetting("backups", str(beside))
+    assert os.readlink(link) == str(beside) and active.directory == str(beside)
+    assert os.listdir(beside) == []  # the bad entry went before TensorFlow could read it
+    assert any("now beside the backups" in r.getMessage() for r in caplog.records)
+    flags = env["TF_XLA_FLAGS"]
+    assert cc.configure_beside_backups(str(tmp_path / "job" / "backup"), True, env).directory == \
+        str(beside)
+    assert env["TF_XLA_FLAGS"] == flags  # the flags were read once; only the link moves
+    cc._remove_link(os.path.dirname(link), os.getpid())
+    assert not os.path.lexists(link) and beside.is_dir() and default.is_dir()
+
+
+def test_a_directory_the_user_chose_does_not_move(tmp_path, fresh):
+    env = {COMPILE_CACHE_ENV: str(tmp_path / "mine")}
+    cc.configure(env, tf_version="tf", hardware="hw")
+    assert cc.active().link is None
+    assert cc.configure_beside_backups(str(tmp_path / "backup"), True, env) == \
+        cc.CacheSetting("env", str(tmp_path / "mine"))
+    assert not (tmp_path / "backup-xla-cache").exists()
+    assert f"directory={tmp_path / 'mine'} " in env["TF_XLA_FLAGS"]
+
+
 def _make_read_only(path):
     """chmod for a user, the immutable attribute for root (who writes through modes)."""
     if os.geteuid() != 0:
@@ -185,6 +254,25 @@ def test_a_read_only_directory_is_read_only_and_a_bad_entry_there_turns_it_off(
         undo()
 
 
+def test_an_unwritable_backups_directory_keeps_the_link_where_it_was(tmp_path, fresh, caplog):
+    env = {COMPILE_CACHE_ENV: "auto", "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    cc.configure(env, tf_version="tf", hardware="hw")
+    link, default = cc.active().link, cc.active().directory
+    beside = tmp_path / "backup-xla-cache"
+    beside.mkdir()
+    undo = _make_read_only(beside)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tfdp"):
+            kept = cc.configure_beside_backups(str(tmp_path / "backup"), True, env)
+        assert os.readlink(link) == default
+    finally:
+        undo()
+        cc._remove_link(os.path.dirname(link), os.getpid())
+    assert kept == cc.CacheSetting("auto", default) and cc.active().directory == default
+    assert any("stays at" in r.getMessage() and "cannot write" in r.getMessage()
+               for r in caplog.records)
+
+
 # --- real jobs ----------------------------------------------------------------------------
 
 def _first_step_lines(log):
@@ -213,7 +301,40 @@ def test_a_sigkilled_worker_restarts_from_the_cache_and_ends_like_an_uninterrupt
     assert sorted(_first_step_lines(before)) == [("0", "compiled"), ("1", "compiled")], log
     assert sorted(_first_step_lines(after)) == [("0", "loaded"), ("1", "loaded")], log
     assert [n for n in os.listdir(cache) if n.endswith(".pb")], os.listdir(cache)
+    assert not (out / "backup-xla-cache").exists()  # --compile-cache DIR: the user's choice
     assert_same_weights(weights(out), weights(ref), tol=1e-6)
+
+
+def _entries(directory):
+    return sorted(n for n in os.listdir(directory) if n.startswith("tfdp-") and n.endswith(".pb")) \
+        if os.path.isdir(directory) else []
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_by_default_a_tfdp_run_job_keeps_its_programs_beside_its_backups(tmp_path):
+    """tfdp-run without --compile-cache (``auto``): the script creates its BackupAndRestore
+    after TensorFlow started, and the workers' programs still land in <backup>-xla-cache, none
+    in the per-user default; after worker 1 is SIGKILLed both restarted workers load them.
+    Guard: with the re-point disabled (``_point`` made a no-op, run once) this test failed at
+    the first assertion on <backup>-xla-cache, the entries having gone to XDG_CACHE_HOME."""
+    out, xdg = tmp_path / "job", tmp_path / "xdg"
+    out.mkdir()
+    env = environment(out, out / "backup", TFDP_TEST_FAIL="1:9:kill", TFDP_TEST_JIT=1,
+                      TFDP_TEST_EPOCHS=2, XDG_CACHE_HOME=xdg)
+    env.pop(COMPILE_CACHE_ENV)  # tests/launching.py turns it off for every other job
+    code, log = run_job(launcher(cpu_replicas=1, extra=("--max-restarts", "1", "--output", "all")),
+                        env, TIMEOUT)
+    assert code == 0, log
+    beside = out / "backup-xla-cache"
+    assert _entries(beside), (os.listdir(out), _entries(xdg / "tfdp" / "xla"), log)
+    assert _entries(xdg / "tfdp" / "xla") == [], log
+    assert sorted(re.findall(r"\[w(\d)\] tfdp: XLA compile cache now beside the backups: (\S+)",
+                             log)) == sorted([("0", str(beside)), ("1", str(beside))] * 2), log
+    before, sep, after = log.partition("restart 1/1: worker 1 exited with 137 (SIGKILL)")
+    assert sep, log
+    assert sorted(_first_step_lines(before)) == [("0", "compiled"), ("1", "compiled")], log
+    assert sorted(_first_step_lines(after)) == [("0", "loaded"), ("1", "loaded")], log
 
 
 SCRIPT = WORKER  # alone, one process, one replica: Keras compiles its whole step with XLA
