@@ -50,15 +50,40 @@ def reference(opt_name, global_batch, epochs=2):
     return model.get_weights(), hist
 
 
+# The optimizers each job trains, one model after the other (tests/workers/mw_worker.py): one
+# job start-up per replica count instead of one per optimizer.
+TWO_WORKER_OPTS = {1: ["sgd"], 2: ["adam", "sharded_adam"]}
+TWO_WORKER_GLOBAL_BATCH = 32
+
+
+@pytest.fixture(scope="module")
+def two_worker_jobs(tmp_path_factory):
+    """{cpu_replicas: (exit code, output, out dir)} of one 2-worker job per replica count,
+    started when a test first asks for it."""
+    jobs = {}
+
+    def job(cpu_replicas):
+        if cpu_replicas not in jobs:
+            out_dir = tmp_path_factory.mktemp(f"two-workers-{cpu_replicas}")
+            opts = ",".join(TWO_WORKER_OPTS[cpu_replicas])
+            code, out = launch(out_dir, cpu_replicas=cpu_replicas, TFDP_TEST_OPT=opts,
+                               TFDP_TEST_GLOBAL_BATCH=TWO_WORKER_GLOBAL_BATCH)
+            jobs[cpu_replicas] = code, out, out_dir
+        return jobs[cpu_replicas]
+    return job
+
+
 @pytest.mark.parametrize("cpu_replicas,opt_name", [(1, "sgd"), (2, "adam"), (2, "sharded_adam")])
-def test_two_workers_train_like_one_device(tmp_path, cpu_replicas, opt_name):
-    global_batch = 32
-    code, out = launch(tmp_path, cpu_replicas=cpu_replicas, TFDP_TEST_OPT=opt_name,
-                       TFDP_TEST_GLOBAL_BATCH=global_batch)
+def test_two_workers_train_like_one_device(two_worker_jobs, cpu_replicas, opt_name):
+    global_batch = TWO_WORKER_GLOBAL_BATCH
+    code, out, out_dir = two_worker_jobs(cpu_replicas)
     assert code == 0, out
     assert f"rank 0: {2 * cpu_replicas} replicas, chief=True" in out
+    several = len(TWO_WORKER_OPTS[cpu_replicas]) > 1
+    assert f"rank 0: {opt_name + ' ' if several else ''}done" in out, out
+    saved = [dict(np.load(out_dir / (f"weights-{opt_name}-{r}.npz" if several
+                                     else f"weights-{r}.npz"))) for r in range(2)]
     ref_weights, ref_hist = reference(opt_name.replace("sharded_", ""), global_batch)
-    saved = [load(tmp_path, r) for r in range(2)]
     for s in saved:
         for got, want in zip(weights_of(s), ref_weights):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

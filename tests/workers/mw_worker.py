@@ -1,7 +1,9 @@
 """A worker for the multi-worker tests, started by tfdp-run (real processes).
 
 Trains a small MLP on a deterministic dataset with tfdp.DataParallelStrategy and writes
-this worker's final weights (and every replica's copy) to OUT/weights-<rank>.npz.
+this worker's final weights (and every replica's copy) to OUT/weights-<rank>.npz; with several
+optimizers in TFDP_TEST_OPT (comma separated), one model per optimizer in turn, each to
+OUT/weights-<optimizer>-<rank>.npz.
 
 Env knobs: TFDP_TEST_OUT, TFDP_TEST_EPOCHS, TFDP_TEST_GLOBAL_BATCH, TFDP_TEST_OPT,
 TFDP_TEST_BACKUP (dir: use tfdp BackupAndRestore), TFDP_TEST_SHUFFLE (shuffle + DatasetEpoch), TFDP_TEST_FAIL="rank:epoch:batch:how"
@@ -42,24 +44,12 @@ x, y = classification_data(n=256)
 w0 = initial_weights(mlp)
 
 
-def optimizer():
+def optimizer(opt_name):
     if opt_name == "adam":
         return keras.optimizers.Adam(0.01, global_clipnorm=0.5)
     if opt_name == "sharded_adam":
         return tfdp.ShardedOptimizer(keras.optimizers.Adam(0.01, global_clipnorm=0.5))
     return keras.optimizers.SGD(0.05, momentum=0.9)
-
-
-with strategy.scope():
-    model = mlp()
-    model.set_weights(w0)
-    model.compile(optimizer=optimizer(),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-
-shuffle = bool(os.environ.get("TFDP_TEST_SHUFFLE"))
-train = tfdp.data.distribute(strategy, tf.data.Dataset.from_tensor_slices((x, y)), global_batch,
-                             shuffle_buffer=256 if shuffle else None, seed=5)
 
 
 class Fail(keras.callbacks.Callback):
@@ -79,14 +69,34 @@ class Fail(keras.callbacks.Callback):
         self.epoch = epoch
 
 
-callbacks = [Fail()] + ([tfdp.callbacks.DatasetEpoch(train)] if shuffle else [])
-if os.environ.get("TFDP_TEST_BACKUP"):
-    callbacks.insert(0, tfdp.callbacks.BackupAndRestore(os.environ["TFDP_TEST_BACKUP"]))
-history = model.fit(train, epochs=epochs, verbose=0, callbacks=callbacks)
-replicas = {f"var{i}_replica{j}": np.asarray(c)
-            for i, v in enumerate(model.trainable_variables)
-            for j, c in enumerate(strategy.experimental_local_results(v.value))}
-np.savez(os.path.join(out, f"weights-{rank}.npz"),
-         *model.get_weights(), loss=np.asarray(history.history["loss"]),
-         accuracy=np.asarray(history.history["accuracy"]), **replicas)
-print(f"rank {rank}: done, loss {history.history['loss']}", flush=True)
+def run(opt_name, weights_file):
+    with strategy.scope():
+        model = mlp()
+        model.set_weights(w0)
+        model.compile(optimizer=optimizer(opt_name),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+
+    shuffle = bool(os.environ.get("TFDP_TEST_SHUFFLE"))
+    train = tfdp.data.distribute(strategy, tf.data.Dataset.from_tensor_slices((x, y)), global_batch,
+                                 shuffle_buffer=256 if shuffle else None, seed=5)
+
+    callbacks = [Fail()] + ([tfdp.callbacks.DatasetEpoch(train)] if shuffle else [])
+    if os.environ.get("TFDP_TEST_BACKUP"):
+        callbacks.insert(0, tfdp.callbacks.BackupAndRestore(os.environ["TFDP_TEST_BACKUP"]))
+    history = model.fit(train, epochs=epochs, verbose=0, callbacks=callbacks)
+    replicas = {f"var{i}_replica{j}": np.asarray(c)
+                for i, v in enumerate(model.trainable_variables)
+                for j, c in enumerate(strategy.experimental_local_results(v.value))}
+    np.savez(os.path.join(out, weights_file),
+             *model.get_weights(), loss=np.asarray(history.history["loss"]),
+             accuracy=np.asarray(history.history["accuracy"]), **replicas)
+    done = "done" if weights_file == f"weights-{rank}.npz" else f"{opt_name} done"
+    print(f"rank {rank}: {done}, loss {history.history['loss']}", flush=True)
+
+
+# TFDP_TEST_OPT may name several optimizers (comma separated): each trains in turn, on a
+# model of its own, and writes OUT/weights-<optimizer>-<rank>.npz; one job, one start-up.
+opt_names = opt_name.split(",")
+for name in opt_names:
+    run(name, f"weights-{rank}.npz" if len(opt_names) == 1 else f"weights-{name}-{rank}.npz")
