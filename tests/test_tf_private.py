@@ -303,6 +303,44 @@ def test_abort_collective_ops_exists_with_code_and_message():
     assert list(inspect.signature(abort).parameters) == ["self", "code", "message"]
 
 
+def test_one_pass_graph_optimization_sets_the_calls_options_and_puts_them_back():
+    # What a function first called inside it is optimised with: one Grappler pass, no TFG;
+    # every other option of the caller kept; the caller's options back afterwards, also
+    # after an error. A TensorFlow that stops reading these options from the thread's
+    # FunctionCallOptions fails the first assertions.
+    import tensorflow as tf
+    from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
+
+    context = _tf_private.tf_eager_context.context()
+
+    def options():
+        config = config_pb2.ConfigProto()
+        config.ParseFromString(context.function_call_options.config_proto_serialized)
+        return config
+
+    before = context.function_call_options
+    with _tf_private.one_pass_graph_optimization():
+        inside = options()
+        assert (inside.graph_options.rewrite_options.meta_optimizer_iterations
+                == rewriter_config_pb2.RewriterConfig.ONE)
+        assert inside.graph_options.rewrite_options.disable_tfg_optimizer
+        assert inside.allow_soft_placement == before_config(before).allow_soft_placement
+        assert float(tf.function(lambda: tf.constant(2.0) * 3.0)()) == 6.0  # runs under it
+    assert context.function_call_options is before
+    with pytest.raises(ValueError):
+        with _tf_private.one_pass_graph_optimization():
+            raise ValueError("inside")
+    assert context.function_call_options is before
+
+
+def before_config(options):
+    from tensorflow.core.protobuf import config_pb2
+
+    config = config_pb2.ConfigProto()
+    config.ParseFromString(options.config_proto_serialized)
+    return config
+
+
 def test_set_keras_initial_epoch_makes_fit_start_there():
     # Pins Trainer._initial_epoch: a callback sets it in on_train_begin (BackupAndRestore's
     # resume) and fit runs only the epochs after it.

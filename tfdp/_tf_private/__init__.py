@@ -85,6 +85,7 @@ from tfdp._tf_private.distribute import (
     in_xla_context,
     local_replica_id,
     map_distributed,
+    one_pass_graph_optimization,
     patch_collective_ops,
     run_independently,
     set_collective_key_base,
@@ -220,7 +221,7 @@ __all__ = [
     "patch_autograph_leaves_module",
     "CollectiveAllReduceExtended", "StrategyBase", "DistributedValues", "SingleDevice",
     "EXTENDED_HOOKS", "COLLECTIVE_OP_FUNCTIONS", "set_collective_key_base",
-    "extended_num_workers", "communication_options", "map_distributed", "in_xla_context",
+    "extended_num_workers", "communication_options", "one_pass_graph_optimization", "map_distributed", "in_xla_context",
     "all_to_all", "collective_launchers", "all_gather", "broadcast", "all_reduce", "add_control_input", "operation_count", "operations_since", "local_replica_id",
     "run_independently", "patch_collective_ops", "abort_collective_ops", "tf_collective_ops",
     # data

@@ -435,7 +435,15 @@ def _per_input_kind(build, strategy, kind):
     worker has the same steps). TensorFlow's iterator type ignores that difference, so one
     traced function would run an input that needs the agreement without it: a worker that
     runs out first would leave the others waiting in the step's all-reduce. Each call runs
-    under the strategy's step deadline (tfdp.strategy.deadline), the first one per function longer."""
+    under the strategy's step deadline (tfdp.strategy.deadline), the first one per function longer.
+
+    Grappler optimises the step's graph in one pass of its optimisers, without TFG
+    (``_tf_private.one_pass_graph_optimization``): a distributed step holds every replica's
+    copy of the model, and the default second pass and TFG pipeline cost a fifth of the
+    first step and gained nothing measurable in the steps after it (8 CPU replicas, ZeRO-3,
+    80 Dense units: first step 89.6 -> 72.4 s, step 254 -> 257 ms; 4 replicas, a KerasHub
+    GPT-2 of 4 blocks: 32.0 and 37.0 -> 28.0 and 26.9 s, step 257 and 274 -> 291 and 256 ms;
+    docs/zero.md, "Trace time")."""
     functions = {}
     what = "a training step" if kind == "train" else "an evaluation step"
 
@@ -445,7 +453,8 @@ def _per_input_kind(build, strategy, kind):
         first = function is None  # traces now: the longer, first-step deadline
         if first:
             function = functions[key] = build()
-        with deadline.watching(strategy, what, first=first):
+        with deadline.watching(strategy, what, first=first), \
+                _tf_private.one_pass_graph_optimization():
             return function(iterator)
 
     return step_function
