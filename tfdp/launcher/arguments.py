@@ -46,10 +46,12 @@ def _parser():
     add("--start-timeout", type=float, default=None,
         help="seconds (per attempt) for every worker to create its DataParallelStrategy (join "
              f"the cluster; default {DEFAULT_START_TIMEOUT:g}); 0 disables the check (exit 125)")
-    add("--compile-cache", default=None, metavar="DIR|off",
+    add("--compile-cache", default=None, metavar="DIR|auto|off",
         help="where workers keep XLA's compiled programs across restarts and relaunches (sets "
-             "TFDP_COMPILE_CACHE; default: $TFDP_COMPILE_CACHE if set, else "
-             "~/.cache/tfdp/xla; a directory every host reaches can be shared); off: none")
+             "TFDP_COMPILE_CACHE; default: $TFDP_COMPILE_CACHE if set, else auto: beside the "
+             "backups, <backup_dir>-xla-cache, once the script creates "
+             "tfdp.callbacks.BackupAndRestore, until then ~/.cache/tfdp/xla); DIR: there (a "
+             "directory every host reaches can be shared); off: none")
     out = parser.add_argument_group("output")
     out.add_argument("--output", choices=("chief", "all"), default="chief",
                      help="chief (default): the terminal shows the chief's output; all: every "
