@@ -69,6 +69,34 @@ def test_an_inner_deadline_hides_the_outer_until_it_is_disarmed():
     assert fired.get(timeout=10) == "outer"
 
 
+def test_a_peer_exit_the_poll_reports_ends_the_armed_step_at_once_with_its_message():
+    fired, news = queue.Queue(), queue.Queue()
+
+    def poll():  # what tfdp-run's PEER_EXITED_FILE says, once it is there
+        return None if news.empty() else news.queue[0]
+
+    dog = deadline.Watchdog(fired.put, poll=poll, poll_seconds=0.01)
+    dog.arm(600.0, "the deadline")  # ten minutes: only the poll can end it within the test
+    with pytest.raises(queue.Empty):
+        fired.get(timeout=0.3)  # guard: polled, but no peer exited, so nothing fires
+    news.put("worker 1 exited")
+    assert fired.get(timeout=10) == "worker 1 exited"
+
+
+def test_the_peer_exit_poll_reads_tfdp_runs_file_and_only_under_tfdp_run(tmp_path):
+    from tfdp.protocol import CONTROL_DIR_ENV, PEER_EXITED_FILE
+
+    assert deadline._make_watchdog({})._poll is None  # no control directory: nothing polls
+    poll = deadline._make_watchdog({CONTROL_DIR_ENV: str(tmp_path)})._poll
+    assert poll() is None  # no peer exited yet
+    (tmp_path / PEER_EXITED_FILE).write_text("{not json")
+    assert poll() is None  # a torn or foreign file is no news
+    (tmp_path / PEER_EXITED_FILE).write_text('{"slot": 1, "rank": 1, "exit": "137 (SIGKILL)"}')
+    message = poll()
+    assert "worker 1 (rank 1) exited with code 137 (SIGKILL)" in message
+    assert "--max-restarts" in message
+
+
 def test_watching_arms_nothing_without_a_timeout(monkeypatch):
     armed = []
     monkeypatch.setattr(deadline._watchdog, "arm", lambda *a: armed.append(a) or 0)

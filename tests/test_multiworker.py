@@ -111,6 +111,22 @@ def test_killed_worker_fails_the_survivors(tmp_path):
     assert "worker 1 exited with code 137" in out
 
 
+def test_a_survivor_whose_step_starts_after_a_peer_died_ends_it_on_tfdp_runs_word(tmp_path):
+    # Worker 1 is SIGKILLed after batch 2; worker 0 starts batch 3 only once tfdp-run has
+    # announced that (PEER_EXITED_FILE), so its step's collectives start after the peer died:
+    # no RPC of it was in flight to be reset, and without the announcement it waited for
+    # TensorFlow's heartbeat timeout (10-12 s a restart, docs/benchmarks/bench_restart.md).
+    # BackupAndRestore takes tfdp-run's SIGTERM as a preemption (it stops after the step), as
+    # in a real job; without it SIGTERM would kill the waiting worker first. The chief's
+    # output (the terminal's) says it ended on the announcement.
+    code, out = launch(tmp_path, TFDP_TEST_FAIL="1:0:2:kill", TFDP_TEST_LATE="0:0:2",
+                       TFDP_TEST_EPOCHS=50, TFDP_TEST_BACKUP=tmp_path / "backup")
+    assert code == 128 + signal.SIGKILL, out
+    assert "rank 0: going on after the peer's exit (True)" in out, out
+    assert "worker 1 (rank 1) exited with code 137 (SIGKILL)" in out, out
+    assert "tfdp-run announced the exit" in out, out
+
+
 def test_hung_worker_gives_an_error_within_the_timeout(tmp_path):
     # Worker 1 freezes (SIGSTOP); worker 0's next collective must fail, not hang.
     code, out = launch(tmp_path, TFDP_TEST_FAIL="1:0:2:stop", TFDP_TEST_EPOCHS=50,

@@ -74,6 +74,14 @@ Control files, under ``TFDP_CONTROL_DIR`` (fresh for every attempt)
     ``evict.json``             written by the chief before the workers exit with
                                ``EXIT_RESTART_REQUESTED``: ``{"rank": R, "reason": "..."}``, the
                                rank (this attempt's numbering) the job asks to drop.
+    ``peer-exited.json``       written by tfdp-run when a worker exits on its own (a crash, or
+                               a signal that is not a preemption): ``{"slot": S, "rank": R,
+                               "exit": "137 (SIGKILL)"}``. The others cannot finish a step
+                               without it: a worker whose step waits in a collective aborts
+                               it at once (tfdp.strategy.deadline) instead of waiting ~10 s
+                               for TensorFlow's heartbeat timeout. Local workers only (the
+                               control directory of a host reached over ssh is relayed the
+                               other way: those wait for the heartbeat timeout).
 
 Exit codes
     0     the job (or worker) finished.
@@ -100,7 +108,7 @@ import signal
 __all__ = [
     "READY_FILE_ENV", "RANK_ENV", "SLOT_ENV", "ATTEMPT_ENV", "CONTROL_DIR_ENV",
     "MIN_WORKERS_ENV", "RESTARTS_LEFT_ENV", "GRACE_ENV", "CPU_REPLICAS_ENV", "ORDERLY_EXIT_ENV",
-    "EVICT_FILE", "JOB_DIR_PREFIX", "progress_file", "DEFAULT_GRACE_SECONDS", "PORT_BASE_ENV",
+    "EVICT_FILE", "PEER_EXITED_FILE", "JOB_DIR_PREFIX", "progress_file", "DEFAULT_GRACE_SECONDS", "PORT_BASE_ENV",
     "EVICT_EXIT_CODE_ENV", "PREEMPTION_SIGNALS_ENV", "ELASTIC_DIR_ENV", "COMPILE_CACHE_ENV",
     "COMPILE_CACHE_MAX_MB_ENV", "COMPILE_CACHE_AUTO", "default_compile_cache_dir",
     "restart_requested_exit_code",
@@ -128,6 +136,7 @@ COMPILE_CACHE_MAX_MB_ENV = "TFDP_COMPILE_CACHE_MAX_MB"
 COMPILE_CACHE_AUTO = "auto"  # tfdp-run's default TFDP_COMPILE_CACHE
 
 EVICT_FILE = "evict.json"
+PEER_EXITED_FILE = "peer-exited.json"
 JOB_DIR_PREFIX = "tfdp-run-"
 
 # Kubernetes' default terminationGracePeriodSeconds.

@@ -8,7 +8,9 @@ OUT/weights-<optimizer>-<rank>.npz.
 Env knobs: TFDP_TEST_OUT, TFDP_TEST_EPOCHS, TFDP_TEST_GLOBAL_BATCH, TFDP_TEST_OPT,
 TFDP_TEST_BACKUP (dir: use tfdp BackupAndRestore), TFDP_TEST_SHUFFLE (shuffle + DatasetEpoch), TFDP_TEST_FAIL="rank:epoch:batch:how"
 (how = exit | kill | stop | block | hang-before-strategy; block: alive, heartbeating,
-but stuck in a callback), TFDP_TEST_TIMEOUT (strategy timeout).
+but stuck in a callback), TFDP_TEST_TIMEOUT (strategy timeout), TFDP_TEST_LATE="rank:epoch:batch"
+(that rank, after that batch, waits until tfdp-run announces a peer's exit in its control
+directory, then goes on: its next step's collectives start after the peer died).
 """
 
 import os
@@ -69,6 +71,29 @@ class Fail(keras.callbacks.Callback):
         self.epoch = epoch
 
 
+class LateAfterPeerExit(keras.callbacks.Callback):
+    """Waits, at one batch's end, for tfdp-run's announcement that a peer exited (a file, not
+    a sleep: the next step then starts after the peer is gone)."""
+
+    def __init__(self, spec):
+        super().__init__()
+        self.rank, self.at_epoch, self.at_batch = (int(v) for v in spec.split(":"))
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.rank, self.at_epoch, self.at_batch) != (rank, self.epoch, batch):
+            return
+        from tfdp.protocol import CONTROL_DIR_ENV, PEER_EXITED_FILE
+
+        path = os.path.join(os.environ[CONTROL_DIR_ENV], PEER_EXITED_FILE)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling a file that tfdp-run writes
+        print(f"rank {rank}: going on after the peer's exit ({os.path.exists(path)})", flush=True)
+
+
 def run(opt_name, weights_file):
     with strategy.scope():
         model = mlp()
@@ -82,6 +107,8 @@ def run(opt_name, weights_file):
                                  shuffle_buffer=256 if shuffle else None, seed=5)
 
     callbacks = [Fail()] + ([tfdp.callbacks.DatasetEpoch(train)] if shuffle else [])
+    if os.environ.get("TFDP_TEST_LATE"):
+        callbacks.append(LateAfterPeerExit(os.environ["TFDP_TEST_LATE"]))
     if os.environ.get("TFDP_TEST_BACKUP"):
         callbacks.insert(0, tfdp.callbacks.BackupAndRestore(os.environ["TFDP_TEST_BACKUP"]))
     history = model.fit(train, epochs=epochs, verbose=0, callbacks=callbacks)

@@ -271,6 +271,9 @@ class Launcher:
         # to finish by themselves, so no backup is cut short by SIGTERM.
         together = code in (EXIT_PREEMPTED, self.restart_code)
         if not together:
+            # The others cannot finish a step without it: those waiting in a collective end
+            # it now (PEER_EXITED_FILE) instead of after TensorFlow's 10 s heartbeat timeout.
+            attempt.announce_exit(rank, describe_exit(code))
             self._report_failure(attempt, rank)
             if not any(attempt.joined(r) for r in attempt.running()):
                 # Nobody left has joined the cluster: nobody has trained or has anything to

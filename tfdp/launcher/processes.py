@@ -51,7 +51,7 @@ from tfdp.launcher import remote
 from tfdp.cluster import ClusterConfig
 from tfdp.cluster.placement import horovod_environment, placement_of, shared_host_environment
 from tfdp.launcher.hosts import Host
-from tfdp.protocol import (ATTEMPT_ENV, CONTROL_DIR_ENV, EVICT_FILE, EXIT_HOST_UNREACHABLE,
+from tfdp.protocol import (ATTEMPT_ENV, CONTROL_DIR_ENV, EVICT_FILE, PEER_EXITED_FILE, EXIT_HOST_UNREACHABLE,
                            RANK_ENV, READY_FILE_ENV, SLOT_ENV, exit_code_of, progress_file)
 
 __all__ = ["free_ports", "tf_configs", "Attempt", "LocalWorker", "RemoteWorker", "SshConfig", "WorkerLog", "probe",
@@ -524,6 +524,19 @@ class Attempt:
         """Some worker completed a training step in this attempt (wrote its progress file)."""
         return any(os.path.exists(progress_file(self.control_dir, r))
                    for r in range(self.num_workers))
+
+    def announce_exit(self, rank: int, exit_text: str) -> None:
+        """Tells the other workers of this attempt that worker ``rank`` exited on its own
+        (``PEER_EXITED_FILE``, written atomically): one blocked in a step's collective ends it
+        at once (tfdp.strategy.deadline) instead of after TensorFlow's heartbeat timeout."""
+        path = os.path.join(self.control_dir, PEER_EXITED_FILE)
+        tmp = f"{path}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump({"slot": self.slots[rank], "rank": rank, "exit": exit_text}, f)
+            os.replace(tmp, path)
+        except OSError:
+            pass  # the others then wait for the heartbeat timeout, as before
 
     def eviction_text(self) -> Optional[str]:
         try:

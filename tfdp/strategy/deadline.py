@@ -35,6 +35,12 @@ every worker since all call them in the same order) and runs under the deadline;
 fails, by the deadline or because a peer left, fails naming the worker(s) that never arrived
 and the fix.
 
+A peer that exits under ``tfdp-run`` (a crash, SIGKILL) is announced at once: the launcher
+writes ``PEER_EXITED_FILE`` in the attempt's control directory, and the watchdog, which looks
+for it every ``PEER_EXIT_POLL_SECONDS`` while a step is armed, aborts the step's collectives
+with a message naming the worker, instead of leaving them to TensorFlow's 10 s heartbeat
+timeout (a restart's survivor sat there 10-12 s, docs/benchmarks/bench_restart.md).
+
 Rule for every place the workers meet outside a step (those two, and the first run of a step
 function): it goes through one ``Arrivals`` (its key in the coordination service, this worker's
 ``arrive``, the deadline ``watch`` arms and disarms, ``missing``), and its error is built by
@@ -46,16 +52,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import os
 import threading
 import time
 
 from tfdp import process_state
+from tfdp.protocol import CONTROL_DIR_ENV, PEER_EXITED_FILE
 
-__all__ = ["FIRST_STEP_FACTOR", "deadline_seconds", "overdue_message", "Watchdog", "watching",
+__all__ = ["FIRST_STEP_FACTOR", "PEER_EXIT_POLL_SECONDS", "peer_exited_message", "deadline_seconds", "overdue_message", "Watchdog", "watching",
            "variable_broadcast", "broadcast_overdue_message", "collective_outside_step",
            "outside_step_message", "stall_message", "Arrivals", "strategy_key"]
 
 FIRST_STEP_FACTOR = 6
+# How often an armed watchdog looks for tfdp-run's PEER_EXITED_FILE (a stat; only under tfdp-run).
+PEER_EXIT_POLL_SECONDS = 0.25
 
 
 def deadline_seconds(timeout_seconds, first: bool):
@@ -128,10 +139,15 @@ class Watchdog:
     Args:
         abort: called once per overdue step, from the watchdog's thread, with the message
             (``arm``'s ``message``, called first if it is callable: formatted only when due).
+        poll: None, or a function called every ``poll_seconds`` while a deadline is armed;
+            a message it returns ends the innermost armed step at once, with that message
+            (a peer that exited).
+        poll_seconds: how often ``poll`` is called.
     """
 
-    def __init__(self, abort):
+    def __init__(self, abort, poll=None, poll_seconds: float = PEER_EXIT_POLL_SECONDS):
         self._abort = abort
+        self._poll, self._poll_seconds = poll, poll_seconds
         self._cond = threading.Condition()
         self._armed = []  # [(due, message, token)], innermost last
         self._tokens = 0
@@ -179,8 +195,12 @@ class Watchdog:
                     return
                 due, message, token = self._armed[-1]
                 left = due - time.monotonic()
-                if left > 0:
-                    self._cond.wait(left)
+                news = self._poll() if self._poll is not None else None
+                if news is not None:
+                    message = news
+                elif left > 0:
+                    self._cond.wait(left if self._poll is None
+                                    else min(left, self._poll_seconds))
                     continue
                 self._armed.pop()
             self._abort(message() if callable(message) else message)
@@ -192,7 +212,32 @@ def _abort_collectives(message):
     _tf_private.abort_collective_ops(message)
 
 
-_watchdog = Watchdog(_abort_collectives)
+def peer_exited_message(info: dict) -> str:
+    """The error of a step ended because tfdp-run announced that a peer exited."""
+    return (f"tfdp: worker {info.get('slot', '?')} (rank {info.get('rank', '?')}) exited with "
+            f"code {info.get('exit', '?')}, so this worker's step cannot finish (its "
+            "collectives wait for that worker): tfdp-run announced the exit and tfdp ended the "
+            "step at once. tfdp-run restarts the job if --max-restarts allows; see that "
+            "worker's output for why it exited.")
+
+
+def _peer_exit_news(control_dir: str):
+    """The message of tfdp-run's PEER_EXITED_FILE in ``control_dir``, or None."""
+    try:
+        with open(os.path.join(control_dir, PEER_EXITED_FILE)) as f:
+            return peer_exited_message(json.load(f))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _make_watchdog(environ=os.environ) -> Watchdog:
+    # Only a worker of tfdp-run has a control directory to look in; elsewhere nothing polls.
+    control = environ.get(CONTROL_DIR_ENV, "").strip()
+    return Watchdog(_abort_collectives,
+                    poll=functools.partial(_peer_exit_news, control) if control else None)
+
+
+_watchdog = _make_watchdog()
 
 
 def strategy_key(strategy):
