@@ -529,3 +529,37 @@ def test_a_test_job_past_its_timeout_reports_where_each_process_waited(tmp_path)
     report = str(raised.value)
     assert "parent_waits_here" in report and "child_waits_here" in report, report
     assert "started" in report, report
+
+
+def test_the_remote_side_writes_a_control_file_tfdp_run_sends_into_the_workers_directory(tmp_path):
+    # tfdp.launcher.remote, run here as it runs on a host reached over ssh: a
+    # {"file": ..., "text": ...} line on its stdin becomes a file in the worker's private
+    # control directory (how a peer's exit reaches workers on other hosts); the worker below
+    # waits for it (bounded) and prints it. A name with a directory in it is not written.
+    from tfdp.launcher import remote
+    from tfdp.protocol import CONTROL_DIR_ENV, PEER_EXITED_FILE
+
+    worker = ("import os, sys, time\n"
+              f"d = os.environ[{CONTROL_DIR_ENV!r}]\n"
+              f"p = os.path.join(d, {PEER_EXITED_FILE!r})\n"
+              "end = time.monotonic() + 60\n"
+              "while not os.path.exists(p) and time.monotonic() < end:\n"
+              "    time.sleep(0.02)\n"
+              "escaped = os.path.exists(os.path.join(os.path.dirname(d), 'escape.json'))\n"
+              "print('GOT', open(p).read(), sorted(os.listdir(d)), escaped, flush=True)\n")
+    job = {"mode": "run", "command": [sys.executable, "-c", worker], "cwd": str(tmp_path),
+           "env": {}, "host": "here", "private_env": {CONTROL_DIR_ENV: ""}, "watch": []}
+    proc = subprocess.Popen([sys.executable, remote.__file__], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        lines = [job, {"file": "../escape.json", "text": "no"},
+                 {"file": PEER_EXITED_FILE, "text": '{"slot": 1}'}]
+        proc.stdin.write("".join(json.dumps(m) + "\n" for m in lines).encode())
+        proc.stdin.flush()  # stdin stays open: its end would kill the worker
+        out = proc.stdout.readline().decode()  # the worker's line (bounded by its 60 s)
+        proc.stdin.close()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert out.strip() == f'GOT {{"slot": 1}} [\'{PEER_EXITED_FILE}\'] False', out

@@ -388,3 +388,29 @@ def test_two_workers_of_two_replicas_with_xla_train_like_one_device(tmp_path):
                 ref_weights, ref_history = _one_device(opt_name, jit_reference)
                 assert_weights_close(got, ref_weights)
                 np.testing.assert_allclose(saved["loss"], ref_history["loss"], rtol=1e-5)
+
+
+def test_fit_and_evaluate_steps_run_under_one_pass_graph_optimization(monkeypatch):
+    # The step functions tfdp builds are called inside _tf_private.one_pass_graph_optimization
+    # (Grappler's one pass, docs/zero.md "Trace time"); a tfdp that stops wrapping the call
+    # leaves `calls` empty. The options it sets are pinned in test_tf_private.
+    from tfdp import _tf_private
+
+    calls = []
+    real = _tf_private.one_pass_graph_optimization
+
+    class recorded(real):
+        def __enter__(self):
+            calls.append(True)
+            return super().__enter__()
+
+    monkeypatch.setattr(_tf_private, "one_pass_graph_optimization", recorded)
+    x, y = classification_data(n=64)
+    strategy = tfdp.DataParallelStrategy(devices=cpu_devices(2))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((x.shape[1],)), keras.layers.Dense(4)])
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert len(calls) == 2  # one per training step
+    model.evaluate(x, y, batch_size=32, verbose=0)
+    assert len(calls) == 4  # and one per evaluation step

@@ -79,9 +79,9 @@ Control files, under ``TFDP_CONTROL_DIR`` (fresh for every attempt)
                                "exit": "137 (SIGKILL)"}``. The others cannot finish a step
                                without it: a worker whose step waits in a collective aborts
                                it at once (tfdp.strategy.deadline) instead of waiting ~10 s
-                               for TensorFlow's heartbeat timeout. Local workers only (the
-                               control directory of a host reached over ssh is relayed the
-                               other way: those wait for the heartbeat timeout).
+                               for TensorFlow's heartbeat timeout. Workers on a host reached
+                               over ssh get it in their private control directory (relayed
+                               through ssh's stdin, tfdp.launcher.remote).
 
 Exit codes
     0     the job (or worker) finished.

@@ -294,6 +294,10 @@ class RemoteWorker:
             return
         self._write(f"SIGCONT\n{signal.Signals(sig).name}\n".encode())
 
+    def send_file(self, name: str, text: str):
+        """Writes control file ``name`` into the remote worker's private control directory."""
+        self._write((json.dumps({"file": name, "text": text}) + "\n").encode())
+
     def join_output(self, timeout: float):
         for t in self._pumps:
             t.join(timeout=timeout)
@@ -527,16 +531,20 @@ class Attempt:
 
     def announce_exit(self, rank: int, exit_text: str) -> None:
         """Tells the other workers of this attempt that worker ``rank`` exited on its own
-        (``PEER_EXITED_FILE``, written atomically): one blocked in a step's collective ends it
-        at once (tfdp.strategy.deadline) instead of after TensorFlow's heartbeat timeout."""
+        (``PEER_EXITED_FILE``, written atomically here and relayed to workers on other hosts):
+        one blocked in a step's collective ends it at once (tfdp.strategy.deadline) instead of
+        after TensorFlow's heartbeat timeout."""
+        text = json.dumps({"slot": self.slots[rank], "rank": rank, "exit": exit_text})
         path = os.path.join(self.control_dir, PEER_EXITED_FILE)
-        tmp = f"{path}.tmp"
         try:
-            with open(tmp, "w") as f:
-                json.dump({"slot": self.slots[rank], "rank": rank, "exit": exit_text}, f)
-            os.replace(tmp, path)
+            with open(f"{path}.tmp", "w") as f:
+                f.write(text)
+            os.replace(f"{path}.tmp", path)
         except OSError:
-            pass  # the others then wait for the heartbeat timeout, as before
+            pass  # the local others then wait for the heartbeat timeout, as before
+        for other, worker in enumerate(self.workers):
+            if other != rank and hasattr(worker, "send_file"):  # over ssh: relayed there
+                worker.send_file(PEER_EXITED_FILE, text)
 
     def eviction_text(self) -> Optional[str]:
         try:

@@ -10,7 +10,9 @@ stdin, the next line: the job, one JSON object --
     ``{"mode": "run", "command": [...], "cwd": DIR, "env": {...}, "host": NAME,
     "private_env": {VAR: FILE}, "watch": [FILE, ...]}``: run the worker (below).
 stdin, later lines: signal names (``SIGTERM``, ``SIGINT``, ``SIGCONT``, ``SIGKILL``) for the
-    worker's process group. **At EOF** (tfdp-run ended, or its ssh was killed) the worker's group
+    worker's process group, or ``{"file": NAME, "text": TEXT}``: a control file tfdp-run
+    writes for the worker (``peer-exited.json``), written atomically into its private
+    directory (NAME a plain file name). **At EOF** (tfdp-run ended, or its ssh was killed) the worker's group
     is SIGKILLed: a worker never outlives its launcher.
 stdout: the worker's stdout and stderr, merged, untouched.
 stderr: ``tfdp-remote {json}`` lines for tfdp-run -- ``{"started": PID}`` once the worker runs,
@@ -119,10 +121,35 @@ def interface_address(name):
                          "--network-interface, or --address HOST=ADDR") from None
 
 
-def relay_signals(proc, stdin):
-    """Signal names from stdin to the worker's process group; EOF kills the group."""
+def write_control_file(directory, line):
+    """Writes the control file a ``{"file": NAME, "text": TEXT}`` line from tfdp-run carries
+    into ``directory`` (atomically: the worker polls for it); anything else is ignored."""
+    try:
+        message = json.loads(line)
+        name, text = message["file"], message["text"]
+    except (ValueError, KeyError, TypeError):
+        return
+    if not isinstance(name, str) or not name or os.path.basename(name) != name or name[0] == ".":
+        return
+    path = os.path.join(directory, name)
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.write(str(text))
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
+
+
+def relay_signals(proc, stdin, private=None):
+    """Signal names from stdin to the worker's process group, control files into ``private``;
+    EOF kills the group."""
     for raw in stdin:
-        sig = getattr(signal, raw.decode("ascii", "replace").strip(), None)
+        line = raw.decode("utf-8", "replace").strip()
+        if line.startswith("{"):
+            if private is not None:
+                write_control_file(private, line)
+            continue
+        sig = getattr(signal, line, None)
         if isinstance(sig, signal.Signals) and proc.returncode is None:
             try:
                 os.killpg(proc.pid, sig)
@@ -180,7 +207,7 @@ def run(job, stdin):
         return 127
     tell({"started": proc.pid})
     done = threading.Event()
-    threading.Thread(target=relay_signals, args=(proc, stdin), daemon=True).start()
+    threading.Thread(target=relay_signals, args=(proc, stdin, private), daemon=True).start()
     watcher = threading.Thread(target=watch_files, args=(private, job.get("watch", ()), done),
                                daemon=True)
     watcher.start()
