@@ -36,6 +36,18 @@ _SIGNALS_TESTS_SEND = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
 
 
 @pytest.fixture(autouse=True)
+def _one_pass_graph_optimization_as_tfdps_steps():
+    """Every function a test calls is optimised by Grappler in one pass without TFG, as tfdp's
+    own fit/evaluate steps are (tfdp/strategy/xla.py): the one-device references too, so the
+    two sides of an equivalence are optimised alike, and the suite spends less of its time in
+    Grappler. A test that changes TensorFlow's config drops it for the rest of that test."""
+    from tfdp import _tf_private
+
+    with _tf_private.one_pass_graph_optimization():
+        yield
+
+
+@pytest.fixture(autouse=True)
 def _no_signal_state_outlives_a_test():
     """Every test leaves the process's signal handlers as it found them and no preemption
     backstop armed. A backstop left armed ends this xdist worker with ``os._exit`` a grace

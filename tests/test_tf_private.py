@@ -331,6 +331,16 @@ def test_one_pass_graph_optimization_sets_the_calls_options_and_puts_them_back()
         with _tf_private.one_pass_graph_optimization():
             raise ValueError("inside")
     assert context.function_call_options is before
+    # A config change inside recomputes the options from the new config; leaving does not
+    # put the stale ones back.
+    soft = tf.config.get_soft_device_placement()
+    try:
+        with _tf_private.one_pass_graph_optimization():
+            tf.config.set_soft_device_placement(not soft)
+        assert context.function_call_options is not before
+        assert before_config(context.function_call_options).allow_soft_placement == (not soft)
+    finally:
+        tf.config.set_soft_device_placement(soft)
 
 
 def before_config(options):

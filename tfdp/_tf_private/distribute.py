@@ -362,7 +362,14 @@ class one_pass_graph_optimization(object):  # a context manager
     def __enter__(self):
         context = _eager_context.context()
         self._outer = context.function_call_options
-        context.function_call_options = _one_pass_options(self._outer)
+        self._inner = _one_pass_options(self._outer)
+        context.function_call_options = self._inner
 
     def __exit__(self, *exc):
-        _eager_context.context().function_call_options = self._outer
+        context = _eager_context.context()
+        # A config change inside (tf.config.set_soft_device_placement, ...) drops the thread's
+        # options so TensorFlow recomputes them from the new config: then the caller's old
+        # ones must not come back.
+        local = get_private(context, "_thread_local_data", "restoring a step's call options")
+        if local.function_call_options is self._inner:
+            context.function_call_options = self._outer
