@@ -51,8 +51,9 @@ from tfdp.launcher import remote
 from tfdp.cluster import ClusterConfig
 from tfdp.cluster.placement import horovod_environment, placement_of, shared_host_environment
 from tfdp.launcher.hosts import Host
-from tfdp.protocol import (ATTEMPT_ENV, CONTROL_DIR_ENV, EVICT_FILE, PEER_EXITED_FILE, EXIT_HOST_UNREACHABLE,
-                           RANK_ENV, READY_FILE_ENV, SLOT_ENV, exit_code_of, progress_file)
+from tfdp.protocol import (ATTEMPT_ENV, CONTROL_DIR_ENV, EVICT_FILE, EXIT_HOST_UNREACHABLE,
+                           PEER_EXITED_FILE, RANK_ENV, READY_FILE_ENV, SLOT_ENV, exit_code_of,
+                           progress_file)
 
 __all__ = ["free_ports", "tf_configs", "Attempt", "LocalWorker", "RemoteWorker", "SshConfig", "WorkerLog", "probe",
            "HostUnreachableError", "ProbeError", "remote_environment", "watch_exit",

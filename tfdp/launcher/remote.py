@@ -12,8 +12,8 @@ stdin, the next line: the job, one JSON object --
 stdin, later lines: signal names (``SIGTERM``, ``SIGINT``, ``SIGCONT``, ``SIGKILL``) for the
     worker's process group, or ``{"file": NAME, "text": TEXT}``: a control file tfdp-run
     writes for the worker (``peer-exited.json``), written atomically into its private
-    directory (NAME a plain file name). **At EOF** (tfdp-run ended, or its ssh was killed) the worker's group
-    is SIGKILLed: a worker never outlives its launcher.
+    directory (NAME a plain file name). **At EOF** (tfdp-run ended, or its ssh was killed)
+    the worker's group is SIGKILLed: a worker never outlives its launcher.
 stdout: the worker's stdout and stderr, merged, untouched.
 stderr: ``tfdp-remote {json}`` lines for tfdp-run -- ``{"started": PID}`` once the worker runs,
     ``{"file": FILE, "text": TEXT}`` whenever a watched control file appears or changes and

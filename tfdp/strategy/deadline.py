@@ -60,7 +60,8 @@ import time
 from tfdp import process_state
 from tfdp.protocol import CONTROL_DIR_ENV, PEER_EXITED_FILE
 
-__all__ = ["FIRST_STEP_FACTOR", "PEER_EXIT_POLL_SECONDS", "peer_exited_message", "deadline_seconds", "overdue_message", "Watchdog", "watching",
+__all__ = ["FIRST_STEP_FACTOR", "PEER_EXIT_POLL_SECONDS", "peer_exited_message",
+           "deadline_seconds", "overdue_message", "Watchdog", "watching",
            "variable_broadcast", "broadcast_overdue_message", "collective_outside_step",
            "outside_step_message", "stall_message", "Arrivals", "strategy_key"]
 
@@ -195,6 +196,9 @@ class Watchdog:
                     return
                 due, message, token = self._armed[-1]
                 left = due - time.monotonic()
+                # Polled at every wake, the arm of each step included: a step that starts
+                # after its peer died ends before its collectives try the dead address (one
+                # failed open() a step, in this thread).
                 news = self._poll() if self._poll is not None else None
                 if news is not None:
                     message = news
