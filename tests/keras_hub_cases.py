@@ -124,25 +124,28 @@ def dataset(name):
     return tf.data.Dataset.from_tensor_slices(parts)
 
 
-def build(name, weights, wrap=None, seed=SEED, global_clipnorm=GLOBAL_CLIPNORM):
+def build(name, weights, wrap=None, seed=SEED, global_clipnorm=GLOBAL_CLIPNORM,
+          jit_compile="auto"):
     """The model with ``weights``, compiled with AdamW + global_clipnorm (wrapped by ``wrap``,
-    e.g. tfdp.ShardedOptimizer); call inside the strategy's scope. ``seed`` decides the
-    Dropout layers' seeds (drawn when they are built)."""
+    e.g. tfdp.ShardedOptimizer) and ``jit_compile``; call inside the strategy's scope.
+    ``seed`` decides the Dropout layers' seeds (drawn when they are built)."""
     keras.utils.set_random_seed(seed)
     model = make_model(name)
     model.set_weights(weights)
     opt = optimizer(global_clipnorm)
-    model.compile(optimizer=wrap(opt) if wrap else opt)  # the task's own loss and metrics
+    # the task's own loss and metrics
+    model.compile(optimizer=wrap(opt) if wrap else opt, jit_compile=jit_compile)
     return model
 
 
-def train(name, weights, strategy=None, wrap=None, seed=SEED, global_clipnorm=GLOBAL_CLIPNORM):
+def train(name, weights, strategy=None, wrap=None, seed=SEED, global_clipnorm=GLOBAL_CLIPNORM,
+          jit_compile="auto"):
     """Trains model ``name`` from ``weights`` for EPOCHS on the GLOBAL_BATCH order and returns
     it. The input is the batched ``tf.data.Dataset`` on every layout: KerasHub's task ``fit``
     takes a dataset or arrays, not a distributed dataset, and tfdp distributes it."""
     scope = strategy.scope() if strategy is not None else tf.distribute.get_strategy().scope()
     with scope:
-        model = build(name, weights, wrap, seed, global_clipnorm)
+        model = build(name, weights, wrap, seed, global_clipnorm, jit_compile)
     model.fit(dataset(name).batch(GLOBAL_BATCH), epochs=EPOCHS, verbose=0, shuffle=False)
     return model
 

@@ -1158,3 +1158,61 @@ def test_operations_since_gives_the_ops_added_after_a_bookmark_without_copying_t
     assert _tf_private.operations_since(graph, graph.version) == []
     # The list TensorFlow hands out is its own, not a copy (what makes the read linear).
     assert graph.operations is graph.operations
+
+
+def test_split_gradient_runs_the_backward_program_on_the_arguments_given_again():
+    """``_tf_private.split_gradient``: TensorFlow's forward/backward pair of a compiled
+    function (both XLA programs). The backward program reads the function's arguments (and
+    casts of them) from what ``backward`` is given, and the forward's kept values from
+    ``forward``; its gradients equal TensorFlow's own. A value of the parameters alone (a
+    transposed kernel) is reported by ``kept_reading_only``."""
+    import numpy as np
+    import tensorflow as tf
+
+    def unit(x, w):
+        return tf.nn.relu(tf.matmul(tf.cast(tf.tanh(x), tf.float64), tf.cast(w, tf.float64)))
+
+    def transposed(x, w):
+        return tf.tanh(tf.matmul(x, tf.transpose(w)))
+
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(8, 16)), tf.float32)
+    w = tf.constant(rng.normal(size=(16, 32)), tf.float32)
+    compiled = tf.function(unit, jit_compile=True, autograph=False)
+    found = {}
+
+    @tf.function
+    def step(x, w):
+        split = _tf_private.split_gradient(compiled.get_concrete_function(x, w))
+        (y,), kept = split.forward([x, w])
+        dy = 2.0 * y
+        found["sources"] = [s[0] for s in split.sources]
+        found["casts"] = [(s[1], s[2]) for s in split.sources if s[0] == "cast"]
+        found["parameters_alone"] = split.kept_reading_only([1])
+        dx, dw = split.backward([dy], [x, w], kept)
+        dx_zero_w, _ = split.backward([dy], [x, tf.zeros_like(w)], kept)
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            loss = tf.reduce_sum(unit(x, w) ** 2)
+        return dx, dw, dx_zero_w, tape.gradient(loss, [x, w])
+
+    dx, dw, dx_zero_w, (rx, rw) = step(x, w)
+    np.testing.assert_allclose(dx.numpy(), rx.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw.numpy(), rw.numpy(), rtol=1e-5, atol=1e-5)
+    assert not np.any(dx_zero_w.numpy())  # dx = dy w^T read the w it was given again
+    assert found["casts"] == [(1, tf.float64)] and "output" in found["sources"]
+    assert found["parameters_alone"] == []
+    library = step.get_concrete_function(x, w).graph.as_graph_def().library.function
+    programs = [f for f in library if f.signature.name.startswith(("__forward", "__inference___backward"))]
+    assert len(programs) == 2 and all(f.attr["_XlaMustCompile"].b for f in programs)
+
+    compiled_t = tf.function(transposed, jit_compile=True, autograph=False)
+
+    @tf.function
+    def step_t(x, w):
+        split = _tf_private.split_gradient(compiled_t.get_concrete_function(x, w))
+        found["transposed"] = len(split.kept_reading_only([1]))
+        return split.forward([x, w])[0]
+
+    step_t(x, tf.transpose(w))
+    assert found["transposed"] == 1

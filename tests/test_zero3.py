@@ -193,6 +193,8 @@ def test_jit_compile_true_with_sharded_parameters_equals_one_device(opt_name):
     model = train(zero3(), dense_stack, OPTIMIZERS[opt_name], data, w0, jit_compile=True)
     assert_weights_close(model.get_weights(), ref, atol=1e-6, rtol=1e-5)
     assert len(compiled_units(model)) == 3  # every Dense layer ran as its own XLA program
+    # ... and its backward program ran on what its forward program kept, not recomputing it
+    assert [units_xla.backward_kinds[layer] for layer in compiled_units(model)] == [{"kept"}] * 3
 
 
 @pytest.mark.slow
@@ -205,6 +207,42 @@ def test_jit_compile_true_with_sharded_parameters_on_models_users_bring(model_na
     model = train(zero3(), model_fn, OPTIMIZERS["adam_global_clipnorm"], data, w0,
                   jit_compile=True)
     assert compiled_units(model)
+    assert_weights_close(model.get_weights(), ref.get_weights(), atol=1e-6, rtol=1e-5)
+
+
+class TransposedKernelDense(keras.layers.Layer):
+    """``x @ kernel^T``: the matmul's gradient reads the transposed kernel, a value computed
+    from the parameters alone, which a compiled unit must not keep to its backward pass."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(self.units, input_shape[-1]),
+                                      initializer="glorot_uniform")
+
+    def call(self, x):
+        return keras.ops.tanh(keras.ops.matmul(x, keras.ops.transpose(self.kernel)))
+
+
+@pytest.mark.slow
+def test_a_unit_whose_gradient_reads_its_transposed_kernel_recomputes_and_equals_one_device():
+    """A compiled unit keeps only activations: where its backward program would read a value
+    of its parameters alone (here the transposed kernel), it recomputes its forward pass
+    instead, and still trains like one device; the Dense unit beside it keeps its
+    activations."""
+    def model_fn():
+        return keras.Sequential([keras.Input((8,)), TransposedKernelDense(40),
+                                 keras.layers.Dense(3)])
+    data = classification_data()
+    w0 = initial_weights(model_fn)
+    ref = train(None, model_fn, OPTIMIZERS["adam_global_clipnorm"], data, w0)
+    model = train(zero3(), model_fn, OPTIMIZERS["adam_global_clipnorm"], data, w0,
+                  jit_compile=True)
+    transposed, dense = model.layers
+    assert units_xla.backward_kinds[transposed] == {"recomputed"}
+    assert units_xla.backward_kinds[dense] == {"kept"}
     assert_weights_close(model.get_weights(), ref.get_weights(), atol=1e-6, rtol=1e-5)
 
 
@@ -230,10 +268,18 @@ def test_mixed_precision_loss_scaling_sharded_equals_unsharded():
         plain = train(tfdp.DataParallelStrategy(devices=cpu_devices(4)), model_fn, opt, data, w0)
         model = train(zero3(), model_fn, opt, data, w0)
         ref = train(None, model_fn, opt, data, w0)
+        compiled = train(zero3(), model_fn, opt, data, w0, jit_compile=True)
     finally:
         keras.mixed_precision.set_global_policy("float32")
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     assert sharded_count(model) == 4
+    # Both Dense layers are units (found through Keras's autocast, which casts a variable's
+    # value inside a mixed-precision call), and under XLA each one's float16 kernel is the
+    # float32 parameter cast inside its program: the backward program gets the cast of the
+    # re-gathered parameter, not a kept copy.
+    assert [units_xla.backward_kinds[layer] for layer in compiled_units(compiled)] == [
+        {"kept"}] * 2
+    assert_weights_close(compiled.get_weights(), ref.get_weights(), atol=2e-3, rtol=2e-3)
     # float16 products differ with the per-replica batch; sharding changes nothing of that.
     assert_weights_close(model.get_weights(), plain.get_weights(), atol=1e-6, rtol=1e-6)
     assert_weights_close(model.get_weights(), ref.get_weights(), atol=2e-3, rtol=2e-3)

@@ -27,7 +27,7 @@ The areas:
   LossScaleOptimizer patches, hooks and state ShardedOptimizer and LARS/LAMB use.
 * ``keras_random``: Keras's random draws and seeds (each replica draws what one device draws).
 * ``gradients``: TensorFlow's gradient functions: which lookup each row of a sparse
-  (IndexedSlices) gradient comes from.
+  (IndexedSlices) gradient comes from; a traced function's forward and backward programs.
 * ``sharded_variable``: the distributed variable of ``shard_parameters=True`` (ZeRO-3): a
   MirroredVariable whose components hold slices, and how the strategy's scope creates one.
 * ``profiler``: the profiler's trace format (XSpace), read offline by tools/profile_step.py.
@@ -132,7 +132,13 @@ from tfdp._tf_private.keras_trainer import (
     unscale_loss_for_distribution,
     patch_keras_fit,
 )
-from tfdp._tf_private.gradients import GATHER_GRADIENT_OPS, lookup_ids
+from tfdp._tf_private.gradients import (
+    GATHER_GRADIENT_OPS,
+    PASS_THROUGH_OPS,
+    SplitGradient,
+    lookup_ids,
+    split_gradient,
+)
 from tfdp._tf_private.profiler import xspace_proto
 from tfdp._tf_private.keras_optimizer import (
     LAYERWISE_HOOKS,
@@ -243,7 +249,7 @@ __all__ = [
     "keras_loss_tracker", "unscale_loss_for_distribution", "set_keras_epoch_length",
     "keras_epoch_length", "keras_iterators_before_epoch", "set_keras_initial_epoch",
     # gradients
-    "GATHER_GRADIENT_OPS", "lookup_ids",
+    "GATHER_GRADIENT_OPS", "lookup_ids", "PASS_THROUGH_OPS", "SplitGradient", "split_gradient",
     # profiler
     "xspace_proto",
     # keras_optimizer

@@ -1,16 +1,26 @@
-"""TensorFlow's gradient functions: which lookup each row of a sparse gradient comes from.
+"""TensorFlow's gradient functions: which lookup each row of a sparse gradient comes from, and a
+traced function's forward and backward programs.
 
 tfdp reduces a ``tf.IndexedSlices`` gradient as one device would have built it
 (tfdp/strategy/sparse_gradients.py), and that depends on the lookups behind its rows: one row
 per id of each lookup, in the lookups' order. No public API says which lookups a gradient's
 rows come from; the graph that TensorFlow's registered gradient functions build does.
+
+ZeRO-3's compiled units (tfdp/strategy/zero3/units_xla.py) run a unit's backward program on
+parameters gathered again, fed with what its forward program kept (``SplitGradient``).
 """
 
 from __future__ import annotations
 
-import tensorflow as tf
+import threading
+import weakref
 
-__all__ = ["lookup_ids", "GATHER_GRADIENT_OPS"]
+import tensorflow as tf
+from tensorflow.python.eager import backprop_util
+from tensorflow.python.framework import ops
+
+__all__ = ["lookup_ids", "GATHER_GRADIENT_OPS", "SplitGradient", "split_gradient",
+           "PASS_THROUGH_OPS"]
 
 # Why: TensorFlow 2.21 builds an axis-0 gather's gradient (``_GatherV2Grad`` in
 # tensorflow/python/ops/array_grad.py, ``_GatherGrad`` for ResourceGather) as
@@ -60,3 +70,156 @@ def _pieces(indices, depth):
             pieces += found
         return pieces
     return None
+
+
+# Ops between a program's argument and a value its backward program reads that the caller can
+# apply to the argument again itself (a mixed-precision layer's cast of its kernel).
+PASS_THROUGH_OPS = ("Cast", "Identity")
+
+
+class SplitGradient(object):
+    """A traced function as TensorFlow splits it to differentiate a call of it: a forward
+    program that also returns the intermediate values its gradient reads, and a backward
+    program that takes the outputs' gradients and those values.
+
+    Why private: to differentiate a call of a ``tf.function`` in a graph, TensorFlow rewrites
+    the call into a "forward" function with extra outputs and adds a call of a "backward"
+    function fed from them (``ConcreteFunction._delayed_rewrite_functions.forward_backward()``
+    in tensorflow/python/eager/polymorphic_function/concrete_function.py). No public API gives
+    the pair, and no public API lets the backward program read an argument other than the
+    tensor the forward call was given: the gradient keeps every argument alive until it runs.
+    ZeRO-3 must not keep a unit's gathered parameters from its forward to its backward pass,
+    so it feeds the backward program parameters gathered again: each value the backward
+    program reads is classified by where it comes from (``sources``), and an argument, or a
+    cast of one, is fed from what the caller gives ``backward`` rather than kept. The pair
+    keeps TensorFlow's function attributes, so a ``jit_compile=True`` function's two programs
+    are both compiled by XLA. tests/test_tf_private.py pins it.
+
+    Args:
+        concrete: the traced function (``tf.function(...).get_concrete_function(...)``).
+    """
+
+    def __init__(self, concrete):
+        delayed = concrete._delayed_rewrite_functions  # pylint: disable=protected-access
+        self.num_outputs = delayed._num_inference_outputs  # pylint: disable=protected-access
+        self._forward, self._backward = delayed.forward_backward(self.num_outputs)
+        self._captured = list(concrete.captured_inputs)
+        graph = concrete.graph
+        inputs = {ops.tensor_id(t): k for k, t in enumerate(graph.inputs)}
+        outputs = {ops.tensor_id(t): j for j, t in enumerate(graph.outputs)}
+        self.num_arguments = len(graph.inputs) - len(self._captured)
+        self.trainable_outputs = [backprop_util.IsTrainable(t)
+                                  for t in graph.outputs[:self.num_outputs]]
+        # What the backward program reads, in its order: ("argument", k): argument k (or a
+        # captured input); ("cast", k, dtype): argument k cast; ("output", j): the forward
+        # program's output j; ("fixed", tensor): a tensor from outside.
+        self.sources = []
+        self._graph = graph
+        for capture in self._backward.captured_inputs:
+            key = ops.tensor_id(capture)
+            if key in inputs:
+                self.sources.append(("argument", inputs[key]))
+                continue
+            if key not in outputs:
+                self.sources.append(("fixed", capture))
+                continue
+            argument, dtype = self._pass_through(capture, inputs)
+            if argument is not None:
+                self.sources.append(("cast", argument, dtype))
+            else:
+                self.sources.append(("output", outputs[key]))
+
+    @staticmethod
+    def _pass_through(tensor, inputs):
+        """(k, dtype) where ``tensor`` is argument k through casts and identities only."""
+        dtype = tensor.dtype
+        while tensor.op.type in PASS_THROUGH_OPS and len(tensor.op.inputs) == 1:
+            tensor = tensor.op.inputs[0]
+            key = ops.tensor_id(tensor)
+            if key in inputs:
+                return inputs[key], dtype
+        return None, None
+
+    def kept_reading_only(self, arguments) -> list:
+        """The kept values (forward outputs beyond the function's own) computed from the
+        ``arguments`` (indices) and no other argument, that is not from the others: what the
+        forward program would keep of those arguments alone.
+
+        Args:
+            arguments: indices of the function's flat arguments.
+        """
+        arguments = set(arguments)
+        found = []
+        for source in self.sources:
+            if source[0] != "output" or source[1] < self.num_outputs:
+                continue
+            reached = self._arguments_reached(self._graph.outputs[source[1]])
+            if reached and reached <= arguments:
+                found.append(self._graph.outputs[source[1]])
+        return found
+
+    def _arguments_reached(self, tensor) -> set:
+        inputs = {ops.tensor_id(t): k for k, t in enumerate(self._graph.inputs)}
+        seen, stack, reached = set(), [tensor], set()
+        while stack:
+            t = stack.pop()
+            key = ops.tensor_id(t)
+            if key in seen:
+                continue
+            seen.add(key)
+            if key in inputs:
+                reached.add(inputs[key])
+                continue
+            stack.extend(t.op.inputs)
+        return reached
+
+    def forward(self, flat_arguments):
+        """Calls the forward program: (the function's flat outputs, what the backward program
+        will read of the forward's values)."""
+        results = self._forward.call_flat(*(list(flat_arguments) + self._captured))
+        kept = {s[1]: results[s[1]] for s in self.sources if s[0] == "output"}
+        return list(results[:self.num_outputs]), kept
+
+    def backward(self, output_gradients, flat_arguments, kept):
+        """Calls the backward program: the gradient of each flat argument (None where it has
+        none).
+
+        Args:
+            output_gradients: one per output of the function (None: zero).
+            flat_arguments: the arguments again (the same values; they may be recomputed).
+            kept: ``forward``'s second result.
+        """
+        arguments = list(flat_arguments) + self._captured
+        feeds = []
+        for source in self.sources:
+            if source[0] == "argument":
+                feeds.append(arguments[source[1]])
+            elif source[0] == "cast":
+                feeds.append(tf.cast(arguments[source[1]], source[2]))
+            elif source[0] == "output":
+                feeds.append(kept[source[1]])
+            else:
+                feeds.append(source[1])
+        douts = []
+        for gradient, output, trainable in zip(
+                output_gradients, self._graph.outputs[:self.num_outputs],
+                self.trainable_outputs):
+            if trainable:
+                douts.append(tf.zeros_like(output) if gradient is None
+                             else tf.convert_to_tensor(gradient))
+        grads = self._backward._call_flat(douts, feeds)  # pylint: disable=protected-access
+        return list(grads)[:self.num_arguments]
+
+
+_splits = weakref.WeakKeyDictionary()
+_splits_lock = threading.Lock()
+
+
+def split_gradient(concrete) -> SplitGradient:
+    """The ``SplitGradient`` of ``concrete``, made once (replicas trace in threads of their own:
+    TensorFlow's split adds outputs to the traced graph, which must happen once)."""
+    with _splits_lock:
+        split = _splits.get(concrete)
+        if split is None:
+            split = _splits[concrete] = SplitGradient(concrete)
+        return split

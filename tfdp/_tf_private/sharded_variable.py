@@ -239,9 +239,12 @@ def sharded_container(variable):
     """
     if isinstance(variable, ShardedVariable):
         return variable
-    value = getattr(variable, "value", None)
-    if isinstance(value, ShardedVariable):
-        return value
+    # Why ``_value``: a Keras variable's ``value`` is cast to the compute dtype inside a
+    # mixed-precision layer's call (Keras's autocast scope), a new tensor; its storage, the
+    # ShardedVariable, is only in ``_value`` (no public getter).
+    for value in (getattr(variable, "_value", None), getattr(variable, "value", None)):
+        if isinstance(value, ShardedVariable):
+            return value
     if not isinstance(variable, tf.Variable) or isinstance(variable, _values.DistributedValues):
         return None
     for holder in (variable, getattr(variable, "handle", None)):

@@ -23,9 +23,10 @@ draw or update again. A named class that is not pure is not a unit, its sublayer
 warns once). Units nest: inside a unit, layers are part of it.
 
 Under XLA (``jit_compile=True``, or tfdp's default on GPUs) each unit is compiled on its own
-(units_xla.py): its gathers and reduce-scatters run outside XLA, between the units, and one
-XLA program per unit computes its forward pass (and, differentiated, the recomputation of its
-backward pass) from the gathered parameters passed in as arguments.
+(units_xla.py): its gathers and reduce-scatters run outside XLA, between the units, and two
+XLA programs per unit compute its forward and backward pass from the gathered parameters
+passed in as arguments; the forward program keeps the unit's activations, so the backward
+pass re-gathers the parameters without recomputing the forward pass.
 
 Sharded parameters read outside any unit (``reshard_after_forward=False``, a layer that is
 not pure, a custom loop running eagerly, ``tfdp.compile_gradients``, which reads parameters
@@ -163,6 +164,7 @@ class Unit(object):
         self.containers = _sharded_containers(layer)
         self.specs = [c.tfdp_spec for c in self.containers]
         self.structure = None  # the outputs' nest, known once forward has run
+        self.saved = None  # what a compiled unit's backward program reads (units_xla)
         self.compiled = (units_xla.CompiledUnit(self) if units_xla.compiles_units()
                          and units_xla.compilable(layer, self.inputs) else None)
 
@@ -202,6 +204,15 @@ class Unit(object):
             return self.compiled(tensors, slice_values)
         return self.call_inside(tensors, self.gather(slice_values))
 
+    def first_forward(self, tensors, slice_values):
+        """``forward``, where a compiled unit also keeps what its backward program reads (its
+        activations, never its gathered parameters: units_xla.CompiledUnit.forward), so that
+        its backward pass does not recompute it."""
+        if self.compiled is not None:
+            out, self.saved = self.compiled.forward(tensors, slice_values)
+            return out
+        return self.forward(tensors, slice_values)
+
     def backward(self, all_inputs, outputs, dys, variables):
         """The gradients of the unit's inputs (tensors, then slices) and of ``variables`` (its
         other weights): the slices are gathered again once the outputs' gradients exist, and
@@ -217,9 +228,12 @@ class Unit(object):
         variables = list(variables or [])
         with tf.control_dependencies(dys):  # gather again only once the outputs' gradients exist
             again_inputs = [tf.identity(t) for t in all_inputs]
+        n = len(self.inputs)
+        if self.saved is not None:
+            return self.compiled.backward(self.saved, all_inputs[:n], again_inputs[n:], dys,
+                                          variables)
         with tf.GradientTape() as tape:
             tape.watch([t for t in again_inputs if t.dtype.is_floating])
-            n = len(self.inputs)
             again = tf.nest.flatten(self.forward(again_inputs[:n], again_inputs[n:]))
         grads = tape.gradient(again, again_inputs + variables, output_gradients=dys)
         return grads[:len(all_inputs)], grads[len(all_inputs):]
@@ -232,7 +246,7 @@ class Unit(object):
 
         @tf.custom_gradient
         def unit(*all_inputs):
-            out = self.forward(all_inputs[:n], all_inputs[n:])
+            out = self.first_forward(all_inputs[:n], all_inputs[n:])
             self.structure = out
             outputs = tf.nest.flatten(out)
 

@@ -2,9 +2,13 @@
 
 Rule. In a step traced under XLA (``jit_compile=True``, or tfdp's default on GPUs; xla.py's
 plan ``"units"`` calls ``compile_units_here``) each unit (units.py) is compiled on its own:
-its gathers and reduce-scatters run outside XLA, between the units, and one XLA program per
-unit computes its forward pass (and, differentiated, the recomputation of its backward pass)
-from the gathered parameters passed in as arguments (``CompiledUnit``). So a replica holds
+its gathers and reduce-scatters run outside XLA, between the units, and two XLA programs per
+unit compute its forward pass and its backward pass from the gathered parameters passed in as
+arguments (``CompiledUnit``). The forward program also returns the values its gradient reads
+(activations inside the unit, never the parameters): the backward program runs on them and on
+the parameters gathered again, so the backward pass does not recompute the forward pass
+(FSDP's order). A unit where such a value would be computed from its parameters alone (other
+than a cast of one) keeps nothing and recomputes its forward pass instead. So a replica holds
 what it holds without XLA (its slices, about two units' gathered parameters, one unit's whole
 gradient), where compiling the whole step would take every gathered parameter as an argument
 at once (2.85x the theory's memory on a GPU, docs/zero.md). Why per unit: XLA cannot compile
@@ -27,7 +31,7 @@ from tfdp import _tf_private, said_once
 from tfdp.strategy.zero3 import gradients
 
 __all__ = ["compile_units_here", "compiles_units", "compilable", "CompiledUnit", "static_key",
-           "compiled_calls"]
+           "compiled_calls", "backward_kinds"]
 
 log = logging.getLogger("tfdp")
 
@@ -39,6 +43,11 @@ _compiling_graphs = weakref.WeakSet()
 # of a unit (and its backward recomputation) calls one tf.function, traced once. Public so that
 # a test can see which layers were compiled.
 compiled_calls = weakref.WeakKeyDictionary()
+
+# layer -> how its compiled unit's backward passes run: {"kept"} (the forward program kept
+# what the backward program reads), {"recomputed"} (the forward pass is computed again), or
+# both. Public so that a test can see which.
+backward_kinds = weakref.WeakKeyDictionary()
 
 
 def compile_units_here():
@@ -116,6 +125,7 @@ class CompiledUnit(object):
     """
 
     def __init__(self, unit):
+        self.layer = unit.layer
         self.weights = _distinct(unit.layer.trainable_variables)
         sharded = {id(c): i for i, c in enumerate(unit.containers)}
         # For each weight: the index of its slice among the unit's, or None (not sharded).
@@ -141,9 +151,61 @@ class CompiledUnit(object):
                 calls[key] = function
         return function
 
+    def weight_values(self, slice_values) -> list:
+        """The unit's weights as the program takes them: each sharded one all-gathered from
+        its slice (the gather's gradient is the reduce-scatter), the others read."""
+        return [tf.convert_to_tensor(w.value) if i is None
+                else gradients.gather_slice(slice_values[i], self.specs[i])
+                for w, i in zip(self.weights, self.owner)]
+
     def __call__(self, tensors, slice_values):
-        weight_values = [
-            tf.convert_to_tensor(w.value) if i is None
-            else gradients.gather_slice(slice_values[i], self.specs[i])
-            for w, i in zip(self.weights, self.owner)]
-        return self.function(list(tensors), weight_values)
+        return self.function(list(tensors), self.weight_values(slice_values))
+
+    def forward(self, tensors, slice_values):
+        """The unit's outputs, and what its backward pass will read (None: it recomputes).
+
+        The forward program is TensorFlow's split of the compiled call (``_tf_private.
+        SplitGradient``): it also returns the values its gradient reads (activations inside
+        the unit), so the backward program runs on them and on the parameters gathered again,
+        without recomputing the forward pass. Where a value it would keep is computed from
+        the parameters alone (other than a cast of one, which the backward pass applies to
+        the re-gathered parameter itself), keeping it would keep the gathered parameters'
+        copy: such a unit recomputes its forward pass instead (said once).
+        """
+        tensors = list(tensors)
+        values = self.weight_values(slice_values)
+        concrete = self.function.get_concrete_function(tensors, values)
+        split = _tf_private.split_gradient(concrete)
+        structure = concrete.structured_outputs
+        n = len(tensors)
+        if (len(tf.nest.flatten(structure)) != split.num_outputs
+                or split.kept_reading_only(range(n, n + len(values)))):
+            if said_once.first_time("recomputed_unit", type(self.layer).__name__):
+                log.info("tfdp: ZeRO-3 under XLA: %s recomputes its forward pass in its "
+                         "backward pass (a value its gradient reads is computed from its "
+                         "parameters alone; keeping it would keep them gathered).",
+                         type(self.layer).__name__)
+            backward_kinds.setdefault(self.layer, set()).add("recomputed")
+            return self.function(tensors, values), None
+        backward_kinds.setdefault(self.layer, set()).add("kept")
+        outputs, kept = split.forward(tensors + values)
+        return tf.nest.pack_sequence_as(structure, outputs), (split, kept)
+
+    def backward(self, saved, tensors, slice_values, output_gradients, variables):
+        """The gradients of the unit's tensors, its slices and ``variables`` (its weights that
+        are not sharded) from ``forward``'s saved values, the parameters gathered again from
+        ``slice_values``: (inputs' gradients: tensors then slices, variables' gradients)."""
+        split, kept = saved
+        with tf.GradientTape() as tape:
+            tape.watch(slice_values)
+            values = self.weight_values(slice_values)
+        grads = split.backward(output_gradients, list(tensors) + values, kept)
+        n = len(tensors)
+        d_tensors, d_values = grads[:n], grads[n:n + len(values)]
+        reached = [(v, d) for v, d in zip(values, d_values) if d is not None]
+        sources = list(slice_values) + list(variables)
+        d_sources = (tape.gradient([v for v, _ in reached], sources,
+                                   output_gradients=[d for _, d in reached])
+                     if reached else [None] * len(sources))
+        m = len(slice_values)
+        return list(d_tensors) + list(d_sources[:m]), list(d_sources[m:])
