@@ -210,38 +210,39 @@ def test_jit_compile_true_with_sharded_parameters_on_models_users_bring(model_na
     assert_weights_close(model.get_weights(), ref.get_weights(), atol=1e-6, rtol=1e-5)
 
 
-class TransposedKernelDense(keras.layers.Layer):
-    """``x @ kernel^T``: the matmul's gradient reads the transposed kernel, a value computed
-    from the parameters alone, which a compiled unit must not keep to its backward pass."""
+class WeightNormDense(keras.layers.Layer):
+    """``x @ (kernel / |kernel|)`` (weight normalisation, Salimans & Kingma 2016): the matmul's
+    gradient reads the normalised kernel, a value computed from the parameters alone, which a
+    compiled unit must not keep to its backward pass."""
 
     def __init__(self, units, **kwargs):
         super().__init__(**kwargs)
         self.units = units
 
     def build(self, input_shape):
-        self.kernel = self.add_weight(shape=(self.units, input_shape[-1]),
+        self.kernel = self.add_weight(shape=(input_shape[-1], self.units),
                                       initializer="glorot_uniform")
 
     def call(self, x):
-        return keras.ops.tanh(keras.ops.matmul(x, keras.ops.transpose(self.kernel)))
+        kernel = self.kernel / keras.ops.norm(self.kernel, axis=0, keepdims=True)
+        return keras.ops.tanh(keras.ops.matmul(x, kernel))
 
 
 @pytest.mark.slow
-def test_a_unit_whose_gradient_reads_its_transposed_kernel_recomputes_and_equals_one_device():
+def test_a_unit_whose_gradient_reads_a_value_of_its_parameters_recomputes_like_one_device():
     """A compiled unit keeps only activations: where its backward program would read a value
-    of its parameters alone (here the transposed kernel), it recomputes its forward pass
+    of its parameters alone (here a normalised kernel), it recomputes its forward pass
     instead, and still trains like one device; the Dense unit beside it keeps its
     activations."""
     def model_fn():
-        return keras.Sequential([keras.Input((8,)), TransposedKernelDense(40),
-                                 keras.layers.Dense(3)])
+        return keras.Sequential([keras.Input((8,)), WeightNormDense(40), keras.layers.Dense(3)])
     data = classification_data()
     w0 = initial_weights(model_fn)
     ref = train(None, model_fn, OPTIMIZERS["adam_global_clipnorm"], data, w0)
     model = train(zero3(), model_fn, OPTIMIZERS["adam_global_clipnorm"], data, w0,
                   jit_compile=True)
-    transposed, dense = model.layers
-    assert units_xla.backward_kinds[transposed] == {"recomputed"}
+    normalised, dense = model.layers
+    assert units_xla.backward_kinds[normalised] == {"recomputed"}
     assert units_xla.backward_kinds[dense] == {"kept"}
     assert_weights_close(model.get_weights(), ref.get_weights(), atol=1e-6, rtol=1e-5)
 

@@ -73,8 +73,17 @@ def _pieces(indices, depth):
 
 
 # Ops between a program's argument and a value its backward program reads that the caller can
-# apply to the argument again itself (a mixed-precision layer's cast of its kernel).
-PASS_THROUGH_OPS = ("Cast", "Identity")
+# apply to the argument again itself, outside the program: each takes the value as its first
+# input and constants (a shape, a permutation, an axis) as the others (a mixed-precision
+# layer's cast of its kernel, EinsumDense's reshape of it, a tied embedding's transpose).
+PASS_THROUGH_OPS = {
+    "Cast": lambda x, op: tf.cast(x, op.get_attr("DstT")),
+    "Identity": lambda x, op: x,
+    "Reshape": lambda x, op, shape: tf.reshape(x, shape),
+    "Transpose": lambda x, op, perm: tf.transpose(x, perm),
+    "ExpandDims": lambda x, op, axis: tf.expand_dims(x, axis),
+    "Squeeze": lambda x, op: tf.squeeze(x, op.get_attr("squeeze_dims") or None),
+}
 
 
 class SplitGradient(object):
@@ -90,8 +99,9 @@ class SplitGradient(object):
     tensor the forward call was given: the gradient keeps every argument alive until it runs.
     ZeRO-3 must not keep a unit's gathered parameters from its forward to its backward pass,
     so it feeds the backward program parameters gathered again: each value the backward
-    program reads is classified by where it comes from (``sources``), and an argument, or a
-    cast of one, is fed from what the caller gives ``backward`` rather than kept. The pair
+    program reads is classified by where it comes from (``sources``), and an argument, or one
+    through PASS_THROUGH_OPS (a cast, a reshape, a transpose), is fed from what the caller
+    gives ``backward`` rather than kept. The pair
     keeps TensorFlow's function attributes, so a ``jit_compile=True`` function's two programs
     are both compiled by XLA. tests/test_tf_private.py pins it.
 
@@ -111,8 +121,9 @@ class SplitGradient(object):
         self.trainable_outputs = [backprop_util.IsTrainable(t)
                                   for t in graph.outputs[:self.num_outputs]]
         # What the backward program reads, in its order: ("argument", k): argument k (or a
-        # captured input); ("cast", k, dtype): argument k cast; ("output", j): the forward
-        # program's output j; ("fixed", tensor): a tensor from outside.
+        # captured input); ("replay", k, steps): argument k through PASS_THROUGH_OPS, applied
+        # again by ``backward``; ("output", j): the forward program's output j; ("fixed",
+        # tensor): a tensor from outside.
         self.sources = []
         self._graph = graph
         for capture in self._backward.captured_inputs:
@@ -123,21 +134,27 @@ class SplitGradient(object):
             if key not in outputs:
                 self.sources.append(("fixed", capture))
                 continue
-            argument, dtype = self._pass_through(capture, inputs)
+            argument, steps = self._pass_through(capture, inputs)
             if argument is not None:
-                self.sources.append(("cast", argument, dtype))
+                self.sources.append(("replay", argument, steps))
             else:
                 self.sources.append(("output", outputs[key]))
 
     @staticmethod
     def _pass_through(tensor, inputs):
-        """(k, dtype) where ``tensor`` is argument k through casts and identities only."""
-        dtype = tensor.dtype
-        while tensor.op.type in PASS_THROUGH_OPS and len(tensor.op.inputs) == 1:
-            tensor = tensor.op.inputs[0]
+        """(k, steps) where ``tensor`` is argument k through PASS_THROUGH_OPS only: ``steps``,
+        in order from the argument, are (function, op, constant inputs); else (None, None)."""
+        steps = []
+        while tensor.op.type in PASS_THROUGH_OPS:
+            op = tensor.op
+            constants = [tf.get_static_value(t) for t in op.inputs[1:]]
+            if any(c is None for c in constants) or not op.inputs:
+                return None, None
+            steps.append((PASS_THROUGH_OPS[op.type], op, constants))
+            tensor = op.inputs[0]
             key = ops.tensor_id(tensor)
             if key in inputs:
-                return inputs[key], dtype
+                return inputs[key], steps[::-1]
         return None, None
 
     def kept_reading_only(self, arguments) -> list:
@@ -194,8 +211,11 @@ class SplitGradient(object):
         for source in self.sources:
             if source[0] == "argument":
                 feeds.append(arguments[source[1]])
-            elif source[0] == "cast":
-                feeds.append(tf.cast(arguments[source[1]], source[2]))
+            elif source[0] == "replay":
+                value = arguments[source[1]]
+                for function, op, constants in source[2]:
+                    value = function(value, op, *constants)
+                feeds.append(value)
             elif source[0] == "output":
                 feeds.append(kept[source[1]])
             else:

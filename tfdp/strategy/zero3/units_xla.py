@@ -8,7 +8,8 @@ arguments (``CompiledUnit``). The forward program also returns the values its gr
 (activations inside the unit, never the parameters): the backward program runs on them and on
 the parameters gathered again, so the backward pass does not recompute the forward pass
 (FSDP's order). A unit where such a value would be computed from its parameters alone (other
-than a cast of one) keeps nothing and recomputes its forward pass instead. So a replica holds
+than a cast, reshape or transpose of one, applied again to the re-gathered parameter) keeps
+nothing and recomputes its forward pass instead. So a replica holds
 what it holds without XLA (its slices, about two units' gathered parameters, one unit's whole
 gradient), where compiling the whole step would take every gathered parameter as an argument
 at once (2.85x the theory's memory on a GPU, docs/zero.md). Why per unit: XLA cannot compile
@@ -167,10 +168,11 @@ class CompiledUnit(object):
         The forward program is TensorFlow's split of the compiled call (``_tf_private.
         SplitGradient``): it also returns the values its gradient reads (activations inside
         the unit), so the backward program runs on them and on the parameters gathered again,
-        without recomputing the forward pass. Where a value it would keep is computed from
-        the parameters alone (other than a cast of one, which the backward pass applies to
-        the re-gathered parameter itself), keeping it would keep the gathered parameters'
-        copy: such a unit recomputes its forward pass instead (said once).
+        without recomputing the forward pass. A value it reads that is a parameter through
+        casts, reshapes and transposes (``_tf_private.PASS_THROUGH_OPS``) is applied again to
+        the re-gathered parameter, not kept. Where another value it would keep is computed
+        from the parameters alone (a normalised kernel), keeping it would keep a copy of the
+        gathered parameters: such a unit recomputes its forward pass instead (said once).
         """
         tensors = list(tensors)
         values = self.weight_values(slice_values)
