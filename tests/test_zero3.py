@@ -247,6 +247,34 @@ def test_a_unit_whose_gradient_reads_a_value_of_its_parameters_recomputes_like_o
     assert_weights_close(model.get_weights(), ref.get_weights(), atol=1e-6, rtol=1e-5)
 
 
+class DenseAddingLoss(keras.layers.Dense):
+    """A Dense layer that adds a penalty on its outputs with ``add_loss`` in its call."""
+
+    def call(self, x):
+        y = super().call(x)
+        self.add_loss(0.5 * keras.ops.mean(keras.ops.square(y)))
+        return y
+
+
+@pytest.mark.slow
+def test_losses_a_compiled_unit_adds_join_the_models_loss_like_one_device():
+    """``add_loss`` in a unit's call and an activity regularizer run inside the unit's XLA
+    program; their losses come out of it and join the model's (they were dropped: 4.2e-3 off
+    one device), so training equals one device's."""
+    def model_fn():
+        return keras.Sequential([
+            keras.Input((8,)), DenseAddingLoss(40, activation="tanh"),
+            keras.layers.Dense(30, activation="tanh",
+                               activity_regularizer=keras.regularizers.L2(0.5)),
+            keras.layers.Dense(3)])
+    data = classification_data()
+    w0 = initial_weights(model_fn)
+    ref = train(None, model_fn, OPTIMIZERS["sgd_momentum"], data, w0)
+    model = train(zero3(), model_fn, OPTIMIZERS["sgd_momentum"], data, w0, jit_compile=True)
+    assert len(compiled_units(model)) == 3
+    assert_weights_close(model.get_weights(), ref.get_weights(), atol=1e-6, rtol=1e-5)
+
+
 def test_the_step_plan_compiles_units_for_zero3_and_keeps_the_split_otherwise():
     assert xla.step_plan(True, 4, True, sharded_units=True) == "units"
     assert xla.step_plan(True, 4, False, sharded_units=True) == "units"

@@ -17,6 +17,7 @@ import weakref
 
 import tensorflow as tf
 from tensorflow.python.eager import backprop_util
+from tensorflow.python.eager.polymorphic_function import atomic_function
 from tensorflow.python.framework import ops
 
 __all__ = ["lookup_ids", "GATHER_GRADIENT_OPS", "SplitGradient", "split_gradient",
@@ -112,7 +113,7 @@ class SplitGradient(object):
     def __init__(self, concrete):
         delayed = concrete._delayed_rewrite_functions  # pylint: disable=protected-access
         self.num_outputs = delayed._num_inference_outputs  # pylint: disable=protected-access
-        self._forward, self._backward = delayed.forward_backward(self.num_outputs)
+        forward, self._backward = delayed.forward_backward(self.num_outputs)
         self._captured = list(concrete.captured_inputs)
         graph = concrete.graph
         inputs = {ops.tensor_id(t): k for k, t in enumerate(graph.inputs)}
@@ -139,6 +140,15 @@ class SplitGradient(object):
                 self.sources.append(("replay", argument, steps))
             else:
                 self.sources.append(("output", outputs[key]))
+        # TensorFlow's forward function returns every value the backward function reads, the
+        # arguments too: an XLA program copies an argument it returns (a whole gathered
+        # kernel per unit). The forward program called here returns the function's outputs
+        # and the kept values only.
+        kept = sorted({s[1] for s in self.sources if s[0] == "output"} - set(
+            range(self.num_outputs)))
+        returned = list(range(self.num_outputs)) + kept
+        self._position = {j: i for i, j in enumerate(returned)}
+        self._forward = _function_returning(forward, graph, [graph.outputs[j] for j in returned])
 
     @staticmethod
     def _pass_through(tensor, inputs):
@@ -194,7 +204,7 @@ class SplitGradient(object):
         """Calls the forward program: (the function's flat outputs, what the backward program
         will read of the forward's values)."""
         results = self._forward.call_flat(*(list(flat_arguments) + self._captured))
-        kept = {s[1]: results[s[1]] for s in self.sources if s[0] == "output"}
+        kept = {s[1]: results[self._position[s[1]]] for s in self.sources if s[0] == "output"}
         return list(results[:self.num_outputs]), kept
 
     def backward(self, output_gradients, flat_arguments, kept):
@@ -229,6 +239,18 @@ class SplitGradient(object):
                              else tf.convert_to_tensor(gradient))
         grads = self._backward._call_flat(douts, feeds)  # pylint: disable=protected-access
         return list(grads)[:self.num_arguments]
+
+
+def _function_returning(forward, graph, outputs):
+    """``forward`` (an AtomicFunction of ``graph``) made again returning ``outputs`` only, with
+    its attributes (XLA's among them)."""
+    every = graph.outputs
+    graph.outputs = outputs
+    try:
+        name = f"{forward.name.decode() if isinstance(forward.name, bytes) else forward.name}_kept"
+        return atomic_function.from_func_graph(name, graph, forward.attributes)
+    finally:
+        graph.outputs = every
 
 
 _splits = weakref.WeakKeyDictionary()

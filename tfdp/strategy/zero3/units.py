@@ -165,6 +165,7 @@ class Unit(object):
         self.specs = [c.tfdp_spec for c in self.containers]
         self.structure = None  # the outputs' nest, known once forward has run
         self.saved = None  # what a compiled unit's backward program reads (units_xla)
+        self.num_losses = 0  # the losses a compiled unit's layer added (outputs, last)
         self.compiled = (units_xla.CompiledUnit(self) if units_xla.compiles_units()
                          and units_xla.compilable(layer, self.inputs) else None)
 
@@ -197,12 +198,14 @@ class Unit(object):
         return reading_given_slices(dict(zip(self.specs, slice_values)))
 
     def forward(self, tensors, slice_values):
-        """The unit's outputs from its inputs and slices, the parameters gathered inside
-        (compiled: just before the program). The release is the custom gradient's boundary:
-        its inputs are the slices, so nothing gathered outlives this call."""
+        """``(outputs, losses)``: the unit's outputs from its inputs and slices, the parameters
+        gathered inside (compiled: just before the program), and the losses a compiled unit's
+        layer added (uncompiled, Keras adds them to the layer itself: ``[]``). The release is
+        the custom gradient's boundary: its inputs are the slices, so nothing gathered
+        outlives this call."""
         if self.compiled is not None:
             return self.compiled(tensors, slice_values)
-        return self.call_inside(tensors, self.gather(slice_values))
+        return self.call_inside(tensors, self.gather(slice_values)), []
 
     def first_forward(self, tensors, slice_values):
         """``forward``, where a compiled unit also keeps what its backward program reads (its
@@ -246,9 +249,9 @@ class Unit(object):
 
         @tf.custom_gradient
         def unit(*all_inputs):
-            out = self.first_forward(all_inputs[:n], all_inputs[n:])
-            self.structure = out
-            outputs = tf.nest.flatten(out)
+            out, losses = self.first_forward(all_inputs[:n], all_inputs[n:])
+            self.structure, self.num_losses = out, len(losses)
+            outputs = tf.nest.flatten((out, losses))  # the losses last
 
             def grad(*dys, variables=None):
                 return self.backward(all_inputs, outputs, dys, variables)
@@ -256,10 +259,12 @@ class Unit(object):
             return outputs, grad
 
         outputs = unit(*(self.inputs + slices))
-        if not isinstance(outputs, (list, tuple)):
-            outputs = [outputs]
+        outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+        cut = len(outputs) - self.num_losses
+        for loss in outputs[cut:]:  # a compiled unit's added losses join the model's
+            self.layer.add_loss(loss)
         trace.finished(outputs[0])
-        return tf.nest.pack_sequence_as(self.structure, list(outputs))
+        return tf.nest.pack_sequence_as(self.structure, outputs[:cut])
 
 
 def install_keras_hooks():

@@ -16,8 +16,9 @@ at once (2.85x the theory's memory on a GPU, docs/zero.md). Why per unit: XLA ca
 collectives across CPU replicas or across several GPUs of one process, and a program cannot
 free its arguments before it ends. What lies outside every unit (the loss, metrics, layers
 without sharded weights or that are not pure) runs without XLA; tfdp says so once. A unit
-called on integer ids, on a masked input, or with an activity regularizer runs uncompiled
-(``compilable``).
+called on integer ids or on a masked input runs uncompiled (``compilable``). The losses a unit
+adds (``add_loss``, an activity regularizer) are outputs of its program and join the model's
+losses outside it.
 """
 
 from __future__ import annotations
@@ -84,8 +85,7 @@ def static_key(args, kwargs, flat, positions):
 
 def compilable(layer, tensors) -> bool:
     """Whether a unit's call can run as its own XLA program: not where an input carries a
-    Keras mask (a traced function's arguments do not), the layer adds an activity
-    regularizer's loss (a stateless scope keeps no losses) or an input is integer (ids: an
+    Keras mask (a traced function's arguments do not) or an input is integer (ids: an
     Embedding's lookup, whose gradient is sparse rows; a compiled program returns them without
     the graph that tells per-example lookups from lookups shared by the batch, so they could
     not be reduced as one device has them, sparse_gradients.py); those run uncompiled (said
@@ -97,13 +97,12 @@ def compilable(layer, tensors) -> bool:
     """
     masked = any(getattr(t, "_keras_mask", None) is not None for t in tensors)
     ids = any(t.dtype.is_integer for t in tensors)
-    if not masked and not ids and getattr(layer, "activity_regularizer", None) is None:
+    if not masked and not ids:
         return True
     if said_once.first_time("uncompiled_unit", type(layer).__name__):
         log.info("tfdp: ZeRO-3 under XLA: %s runs uncompiled (%s).", type(layer).__name__,
                  "an input carries a Keras mask" if masked
-                 else "it is called on integer ids: a lookup, whose gradient is sparse" if ids
-                 else "it has an activity regularizer")
+                 else "it is called on integer ids: a lookup, whose gradient is sparse")
     return False
 
 
@@ -119,7 +118,8 @@ class CompiledUnit(object):
     """A unit's forward pass as one XLA program: ``self(tensors, slice_values)`` gathers the
     slices (outside XLA; the gather's gradient is the reduce-scatter) and reads the unit's
     other weights, then calls the program, which computes the layer from them (it reads no
-    variable: a ``keras.StatelessScope`` maps each weight to its value).
+    variable: a ``keras.StatelessScope`` maps each weight to its value) and returns
+    ``(outputs, the losses the layer added)``.
 
     Args:
         unit: the units.Unit being called (its layer, call and sharded containers).
@@ -144,8 +144,12 @@ class CompiledUnit(object):
             weights = self.weights
 
             def compute(tensors, weight_values):
-                reads = keras.StatelessScope(state_mapping=list(zip(weights, weight_values)))
-                return unit.call_inside(tensors, reads)
+                # The losses the layer adds (add_loss, an activity regularizer) are returned
+                # with its outputs, so that they join the model's loss outside the program.
+                reads = keras.StatelessScope(state_mapping=list(zip(weights, weight_values)),
+                                             collect_losses=True)
+                outputs = unit.call_inside(tensors, reads)
+                return outputs, list(reads.losses)
 
             function = tf.function(compute, jit_compile=True, autograph=False)
             if key is not None:
