@@ -184,13 +184,15 @@ class CompiledUnit(object):
         split = _tf_private.split_gradient(concrete)
         structure = concrete.structured_outputs
         n = len(tensors)
-        if (len(tf.nest.flatten(structure)) != split.num_outputs
-                or split.kept_reading_only(range(n, n + len(values)))):
+        why = ("it returns something other than tensors"
+               if len(tf.nest.flatten(structure)) != split.num_outputs
+               else "a value its gradient reads is computed from its parameters alone; "
+               "keeping it would keep them gathered"
+               if split.kept_reading_only(range(n, n + len(values))) else None)
+        if why is not None:
             if said_once.first_time("recomputed_unit", type(self.layer).__name__):
                 log.info("tfdp: ZeRO-3 under XLA: %s recomputes its forward pass in its "
-                         "backward pass (a value its gradient reads is computed from its "
-                         "parameters alone; keeping it would keep them gathered).",
-                         type(self.layer).__name__)
+                         "backward pass (%s).", type(self.layer).__name__, why)
             backward_kinds.setdefault(self.layer, set()).add("recomputed")
             return self.function(tensors, values), None
         backward_kinds.setdefault(self.layer, set()).add("kept")
