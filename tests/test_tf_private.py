@@ -1191,6 +1191,10 @@ def test_split_gradient_runs_the_backward_program_on_the_arguments_given_again()
         found["replays"] = [(s[1], [op.type for _, op, _ in s[2]]) for s in split.sources
                             if s[0] == "replay"]
         found["parameters_alone"] = split.kept_reading_only([1])
+        found["kept"] = len(split.kept_outputs)
+        found["kept_arguments"] = [j for j in split.kept_outputs
+                                   if split._graph.outputs[j].op.type == "Placeholder"]
+        found["recording"] = _tf_private.tape_is_recording()
         dx, dw = split.backward([dy], [x, w], kept)
         dx_zero_w, _ = split.backward([dy], [x, tf.zeros_like(w)], kept)
         with tf.GradientTape() as tape:
@@ -1210,6 +1214,11 @@ def test_split_gradient_runs_the_backward_program_on_the_arguments_given_again()
     programs = [f for f in library
                 if f.signature.name.startswith(("__forward", "__inference___backward"))]
     assert len(programs) == 2 and all(f.attr["_XlaMustCompile"].b for f in programs)
+    # The forward program returns the outputs and the kept values only: no argument (XLA
+    # would copy a gathered parameter out of every call).
+    forward = next(f for f in library if f.signature.name.startswith("__forward"))
+    assert len(forward.signature.output_arg) == 1 + found["kept"], found["kept"]
+    assert found["kept"] >= 1 and not found["kept_arguments"]
 
     compiled_n = tf.function(normalised, jit_compile=True, autograph=False)
 
@@ -1221,3 +1230,32 @@ def test_split_gradient_runs_the_backward_program_on_the_arguments_given_again()
 
     step_n(x, w)
     assert found["normalised"] >= 1
+    assert found["recording"] is False
+    with tf.GradientTape():
+        assert _tf_private.tape_is_recording()
+
+    # Several outputs, one an integer (no gradient) and one without a gradient given; a
+    # kernel reshaped to the input's (dynamic) shape is still the parameter's alone.
+    def several(x, w):
+        kernel = tf.reshape(w, [tf.shape(x)[-1], -1])
+        y = tf.tanh(tf.matmul(x, kernel))
+        return {"y": y, "z": 3.0 * y, "rows": tf.shape(x)[0]}
+
+    compiled_s = tf.function(several, jit_compile=True, autograph=False)
+
+    @tf.function
+    def step_s(x, w):
+        split = _tf_private.split_gradient(compiled_s.get_concrete_function(x, w))
+        outputs, kept = split.forward([x, w])
+        rows, y, z = outputs  # the dict's keys in order
+        found["several_alone"] = len(split.kept_reading_only([1]))
+        dx, dw = split.backward([None, 2.0 * y, None], [x, w], kept)
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            loss = tf.reduce_sum(several(x, w)["y"] ** 2)
+        return rows, dx, dw, tape.gradient(loss, [x, w])
+
+    rows, dx, dw, (rx, rw) = step_s(x, w)
+    assert int(rows) == 8 and found["several_alone"] == 1
+    np.testing.assert_allclose(dx.numpy(), rx.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw.numpy(), rw.numpy(), rtol=1e-5, atol=1e-5)

@@ -135,9 +135,11 @@ from tfdp._tf_private.keras_trainer import (
 from tfdp._tf_private.gradients import (
     GATHER_GRADIENT_OPS,
     PASS_THROUGH_OPS,
+    SHAPE_OPS,
     SplitGradient,
     lookup_ids,
     split_gradient,
+    tape_is_recording,
 )
 from tfdp._tf_private.profiler import xspace_proto
 from tfdp._tf_private.keras_optimizer import (
@@ -249,7 +251,8 @@ __all__ = [
     "keras_loss_tracker", "unscale_loss_for_distribution", "set_keras_epoch_length",
     "keras_epoch_length", "keras_iterators_before_epoch", "set_keras_initial_epoch",
     # gradients
-    "GATHER_GRADIENT_OPS", "lookup_ids", "PASS_THROUGH_OPS", "SplitGradient", "split_gradient",
+    "GATHER_GRADIENT_OPS", "lookup_ids", "PASS_THROUGH_OPS", "SHAPE_OPS", "SplitGradient", "split_gradient",
+    "tape_is_recording",
     # profiler
     "xspace_proto",
     # keras_optimizer

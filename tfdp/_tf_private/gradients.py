@@ -16,12 +16,12 @@ import threading
 import weakref
 
 import tensorflow as tf
-from tensorflow.python.eager import backprop_util
+from tensorflow.python.eager import backprop_util, record
 from tensorflow.python.eager.polymorphic_function import atomic_function
 from tensorflow.python.framework import ops
 
 __all__ = ["lookup_ids", "GATHER_GRADIENT_OPS", "SplitGradient", "split_gradient",
-           "PASS_THROUGH_OPS"]
+           "PASS_THROUGH_OPS", "SHAPE_OPS", "tape_is_recording"]
 
 # Why: TensorFlow 2.21 builds an axis-0 gather's gradient (``_GatherV2Grad`` in
 # tensorflow/python/ops/array_grad.py, ``_GatherGrad`` for ResourceGather) as
@@ -87,6 +87,20 @@ PASS_THROUGH_OPS = {
 }
 
 
+# Ops whose output is a tensor's shape, not its values.
+SHAPE_OPS = ("Shape", "ShapeN", "Size", "Rank")
+
+
+def tape_is_recording() -> bool:
+    """Whether a gradient tape is recording here (the gradient being built is itself
+    differentiated: a gradient penalty under a persistent or outer tape).
+
+    Why: TensorFlow's public API has no test for an active tape; ``record.could_possibly_record``
+    is the one its own function calls use.
+    """
+    return record.could_possibly_record()
+
+
 class SplitGradient(object):
     """A traced function as TensorFlow splits it to differentiate a call of it: a forward
     program that also returns the intermediate values its gradient reads, and a backward
@@ -144,9 +158,10 @@ class SplitGradient(object):
         # arguments too: an XLA program copies an argument it returns (a whole gathered
         # kernel per unit). The forward program called here returns the function's outputs
         # and the kept values only.
-        kept = sorted({s[1] for s in self.sources if s[0] == "output"} - set(
+        # The indices of TensorFlow's forward outputs kept beyond the function's own.
+        self.kept_outputs = sorted({s[1] for s in self.sources if s[0] == "output"} - set(
             range(self.num_outputs)))
-        returned = list(range(self.num_outputs)) + kept
+        returned = list(range(self.num_outputs)) + self.kept_outputs
         self._position = {j: i for i, j in enumerate(returned)}
         self._forward = _function_returning(forward, graph, [graph.outputs[j] for j in returned])
 
@@ -186,6 +201,9 @@ class SplitGradient(object):
         return found
 
     def _arguments_reached(self, tensor) -> set:
+        """The flat arguments whose values ``tensor`` is computed from: not the captured
+        inputs (constants of the trace), and not through SHAPE_OPS (a value reshaped to an
+        input's shape is still the parameter's alone)."""
         inputs = {ops.tensor_id(t): k for k, t in enumerate(self._graph.inputs)}
         seen, stack, reached = set(), [tensor], set()
         while stack:
@@ -195,9 +213,11 @@ class SplitGradient(object):
                 continue
             seen.add(key)
             if key in inputs:
-                reached.add(inputs[key])
+                if inputs[key] < self.num_arguments:
+                    reached.add(inputs[key])
                 continue
-            stack.extend(t.op.inputs)
+            if t.op.type not in SHAPE_OPS:
+                stack.extend(t.op.inputs)
         return reached
 
     def forward(self, flat_arguments):
@@ -234,9 +254,15 @@ class SplitGradient(object):
         for gradient, output, trainable in zip(
                 output_gradients, self._graph.outputs[:self.num_outputs],
                 self.trainable_outputs):
-            if trainable:
-                douts.append(tf.zeros_like(output) if gradient is None
-                             else tf.convert_to_tensor(gradient))
+            if not trainable:
+                continue
+            if gradient is None:  # zeros made here: ``output`` is a tensor of the trace
+                if not output.shape.is_fully_defined():
+                    raise ValueError(f"SplitGradient.backward: no gradient for output "
+                                     f"{output.name} of unknown shape {output.shape}; pass "
+                                     f"zeros of its shape.")
+                gradient = tf.zeros(output.shape, output.dtype)
+            douts.append(tf.convert_to_tensor(gradient))
         grads = self._backward._call_flat(douts, feeds)  # pylint: disable=protected-access
         return list(grads)[:self.num_arguments]
 

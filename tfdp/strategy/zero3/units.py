@@ -232,9 +232,13 @@ class Unit(object):
         with tf.control_dependencies(dys):  # gather again only once the outputs' gradients exist
             again_inputs = [tf.identity(t) for t in all_inputs]
         n = len(self.inputs)
-        if self.saved is not None:
+        # Where this gradient is itself being recorded (a gradient penalty: an outer or
+        # persistent tape), the kept activations would enter it as constants: recompute.
+        if self.saved is not None and not _tf_private.tape_is_recording():
             return self.compiled.backward(self.saved, all_inputs[:n], again_inputs[n:], dys,
                                           variables)
+        if self.saved is not None:
+            units_xla.backward_kinds.setdefault(self.layer, set()).add("recomputed")
         with tf.GradientTape() as tape:
             tape.watch([t for t in again_inputs if t.dtype.is_floating])
             again = tf.nest.flatten(self.forward(again_inputs[:n], again_inputs[n:]))

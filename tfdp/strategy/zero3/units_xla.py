@@ -46,9 +46,9 @@ _compiling_graphs = weakref.WeakSet()
 # a test can see which layers were compiled.
 compiled_calls = weakref.WeakKeyDictionary()
 
-# layer -> how its compiled unit's backward passes run: {"kept"} (the forward program kept
-# what the backward program reads), {"recomputed"} (the forward pass is computed again), or
-# both. Public so that a test can see which.
+# layer -> how its compiled unit's backward passes ran: {"kept"} (the backward program on what
+# the forward program kept), {"recomputed"} (the forward pass computed again), or both.
+# Public so that a test can see which.
 backward_kinds = weakref.WeakKeyDictionary()
 
 
@@ -186,6 +186,8 @@ class CompiledUnit(object):
         n = len(tensors)
         why = ("it returns something other than tensors"
                if len(tf.nest.flatten(structure)) != split.num_outputs
+               else "it reads a trainable variable that is not one of its weights"
+               if any(v.trainable for v in concrete.graph.variables)
                else "a value its gradient reads is computed from its parameters alone; "
                "keeping it would keep them gathered"
                if split.kept_reading_only(range(n, n + len(values))) else None)
@@ -195,7 +197,6 @@ class CompiledUnit(object):
                          "backward pass (%s).", type(self.layer).__name__, why)
             backward_kinds.setdefault(self.layer, set()).add("recomputed")
             return self.function(tensors, values), None
-        backward_kinds.setdefault(self.layer, set()).add("kept")
         outputs, kept = split.forward(tensors + values)
         return tf.nest.pack_sequence_as(structure, outputs), (split, kept)
 
@@ -204,6 +205,7 @@ class CompiledUnit(object):
         are not sharded) from ``forward``'s saved values, the parameters gathered again from
         ``slice_values``: (inputs' gradients: tensors then slices, variables' gradients)."""
         split, kept = saved
+        backward_kinds.setdefault(self.layer, set()).add("kept")
         with tf.GradientTape() as tape:
             tape.watch(slice_values)
             values = self.weight_values(slice_values)
