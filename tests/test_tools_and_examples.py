@@ -54,6 +54,18 @@ def test_soak_outcomes_and_summary():
     assert table["b"]["failed"] == 1 and table["b"]["seconds"] == []
 
 
+def test_zero3_activations_summary_takes_each_configurations_median():
+    # tools/zero3_activations.py: rounds of the same configuration reduce to their median.
+    from zero3_activations import summary
+
+    row = dict(first_s=1.0, step_ms=10.0, allocator_peak=100, growth=200)
+    rows = [dict(row, config="kept"), dict(row, config="kept", step_ms=30.0),
+            dict(row, config="kept", step_ms=20.0), dict(row, config="checkpointed")]
+    table = summary(rows)
+    assert list(table) == ["kept", "checkpointed"]
+    assert table["kept"]["step_ms"] == 20.0 and table["checkpointed"]["growth"] == 200
+
+
 @pytest.mark.slow
 @pytest.mark.multiworker
 def test_soak_tool_runs_a_job_and_its_check(tmp_path):

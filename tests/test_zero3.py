@@ -210,6 +210,21 @@ def test_jit_compile_true_with_sharded_parameters_on_models_users_bring(model_na
     assert_weights_close(model.get_weights(), ref.get_weights(), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow
+def test_checkpoint_activations_recomputes_every_compiled_unit_like_one_device():
+    """``checkpoint_activations=True``: each compiled unit keeps only its inputs and recomputes
+    its forward pass in its backward pass (less memory for activation-heavy models), and
+    trains like one device."""
+    strategy = zero3(checkpoint_activations=True)
+    assert strategy.checkpoint_activations
+    model = train(strategy, dense_stack, OPTIMIZERS["adam_global_clipnorm"],
+                  classification_data(), initial_weights(dense_stack), jit_compile=True)
+    assert [units_xla.backward_kinds[layer] for layer in compiled_units(model)] == [
+        {"recomputed"}] * 3
+    assert_weights_close(model.get_weights(), one_device("adam_global_clipnorm"), atol=1e-6,
+                         rtol=1e-5)
+
+
 class WeightNormDense(keras.layers.Layer):
     """``x @ (kernel / |kernel|)`` (weight normalisation, Salimans & Kingma 2016): the matmul's
     gradient reads the normalised kernel, a value computed from the parameters alone, which a

@@ -100,6 +100,7 @@ def test_the_settings_are_checked_once_and_frozen():
     (dict(shard_min_elements=True), "shard_min_elements=True"),
     (dict(shard_min_elements=1.5), "shard_min_elements=1.5"),
     (dict(reshard_after_forward=None), "reshard_after_forward=None must be True or False"),
+    (dict(checkpoint_activations="yes"), "checkpoint_activations='yes' must be True or False"),
     (dict(unit_layers=(3,)), "unit_layers: 3 is neither a Keras layer class"),
     (dict(unit_layers=(int,)), "is neither a Keras layer class"),
 ])

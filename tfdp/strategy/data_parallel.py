@@ -260,6 +260,12 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         unit_layers: layer classes (or class names) whose instances gather their parameters
             as one unit, e.g. ``(TransformerBlock,)``; by default every layer owning sharded
             weights is a unit.
+        checkpoint_activations: with ``shard_parameters=True`` under XLA: ``False``
+            (default) a unit's backward program runs on the activations its forward program
+            kept (FSDP's and DeepSpeed's default: no recomputation); ``True`` recomputes each
+            unit's forward pass in its backward pass and keeps only its inputs (activation
+            checkpointing per unit: less memory for activation-heavy models, one more forward
+            pass). Without XLA units always recompute. See tfdp/strategy/zero3/units_xla.py.
     """
 
     _is_tfdp_strategy = True  # tfdp.strategy.is_data_parallel
@@ -267,10 +273,12 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     def __init__(self, devices=None, *, communication="auto", bucket_bytes=None,
                  compression=None, timeout_seconds=None, cluster=None, cluster_resolver=None,
                  random_draws="as_one_device", shard_parameters=False,
-                 shard_min_elements=None, reshard_after_forward=True, unit_layers=None):
+                 shard_min_elements=None, reshard_after_forward=True, unit_layers=None,
+                 checkpoint_activations=False):
         zero3 = Zero3Config(shard_parameters=shard_parameters,
                             shard_min_elements=shard_min_elements,
-                            reshard_after_forward=reshard_after_forward, unit_layers=unit_layers)
+                            reshard_after_forward=reshard_after_forward, unit_layers=unit_layers,
+                            checkpoint_activations=checkpoint_activations)
         cluster = _resolve_cluster(cluster, cluster_resolver)
         options = resolve_options(communication=communication, bucket_bytes=bucket_bytes,
                                   compression=compression, timeout_seconds=timeout_seconds,
@@ -347,6 +355,10 @@ class DataParallelStrategy(tf.distribute.MultiWorkerMirroredStrategy):
                                      doc="ZeRO-3: gather a unit's parameters again in backward.")
     unit_layers = property(lambda self: self._tfdp_zero3.unit_layers,
                            doc="ZeRO-3: layer classes gathered as one unit each.")
+    checkpoint_activations = property(
+        lambda self: self._tfdp_zero3.checkpoint_activations,
+        doc="ZeRO-3 under XLA: units recompute their forward pass instead of keeping "
+            "activations.")
     random_draws = property(lambda self: self._tfdp_random_draws,
                             doc="'as_one_device' or 'independent' (strategy/randomness.py).")
     key_base = property(lambda self: self._tfdp_key_base,

@@ -1,7 +1,7 @@
 """ZeRO-3's settings: one frozen, validated value per strategy.
 
 Rule. ``DataParallelStrategy(shard_parameters=..., shard_min_elements=...,
-reshard_after_forward=..., unit_layers=...)`` is resolved once into a ``Zero3Config`` before
+reshard_after_forward=..., unit_layers=..., checkpoint_activations=...)`` is resolved once into a ``Zero3Config`` before
 anything changes (a bad argument fails first, naming the fix); every ZeRO-3 mechanism reads
 that value and nothing else: ``enabled`` says whether parameters are sharded at all,
 ``gathers_per_unit`` whether units re-gather their parameters in the backward pass. Pure: no
@@ -63,6 +63,10 @@ class Zero3Config:
             pass and gathered again for its backward pass (units.py).
         unit_layers: layer classes or class names gathered as one unit each (a tuple after
             construction).
+        checkpoint_activations: True: every unit recomputes its forward pass in its backward
+            pass, keeping only its inputs (activation checkpointing per unit); False: a unit
+            compiled by XLA keeps the activations its backward program reads (units_xla.py).
+            Units without XLA always recompute.
 
     Raises:
         ValueError: an argument of the wrong type or range, naming it and the fix.
@@ -72,6 +76,7 @@ class Zero3Config:
     shard_min_elements: int | None = None
     reshard_after_forward: bool = True
     unit_layers: tuple = ()
+    checkpoint_activations: bool = False
 
     def __post_init__(self):
         if not isinstance(self.shard_parameters, bool):
@@ -85,6 +90,9 @@ class Zero3Config:
                              ">= 0 (0 shards every trainable floating-point variable).")
         if not isinstance(self.reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward={self.reshard_after_forward!r} must be "
+                             "True or False.")
+        if not isinstance(self.checkpoint_activations, bool):
+            raise ValueError(f"checkpoint_activations={self.checkpoint_activations!r} must be "
                              "True or False.")
         # Frozen: the normalised values are written once, here.
         object.__setattr__(self, "shard_min_elements", minimum)

@@ -154,10 +154,13 @@ class Unit(object):
         original: Keras's ``Layer.__call__``.
         args: the call's positional arguments.
         kwargs: its keyword arguments.
+        checkpoint_activations: the strategy's Zero3Config.checkpoint_activations (a compiled
+            unit recomputes its forward pass rather than keeping activations).
     """
 
-    def __init__(self, layer, original, args, kwargs):
+    def __init__(self, layer, original, args, kwargs, checkpoint_activations=False):
         self.layer, self.original, self.args, self.kwargs = layer, original, args, kwargs
+        self.checkpoint_activations = checkpoint_activations
         self.flat = tf.nest.flatten((args, kwargs))
         self.positions = [i for i, v in enumerate(self.flat) if isinstance(v, tf.Tensor)]
         self.inputs = [self.flat[i] for i in self.positions]
@@ -211,9 +214,11 @@ class Unit(object):
         """``forward``, where a compiled unit also keeps what its backward program reads (its
         activations, never its gathered parameters: units_xla.CompiledUnit.forward), so that
         its backward pass does not recompute it."""
-        if self.compiled is not None:
+        if self.compiled is not None and not self.checkpoint_activations:
             out, self.saved = self.compiled.forward(tensors, slice_values)
             return out
+        if self.compiled is not None:
+            units_xla.backward_kinds.setdefault(self.layer, set()).add("recomputed")
         return self.forward(tensors, slice_values)
 
     def backward(self, all_inputs, outputs, dys, variables):
@@ -279,7 +284,7 @@ def install_keras_hooks():
             if config is None or not getattr(self, "built", False) or not is_unit(
                     self, config.unit_layers):
                 return original(self, *args, **kwargs)
-            return Unit(self, original, args, kwargs)()
+            return Unit(self, original, args, kwargs, config.checkpoint_activations)()
         return __call__
 
     _tf_private.patch_keras_layer_call(make)
