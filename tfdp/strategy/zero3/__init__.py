@@ -31,8 +31,10 @@ One documented rule per mechanism, one module each:
   owns sharded weights (or a ``unit_layers`` block), and is pure, gathers its parameters for
   its forward pass, keeps nothing gathered, and gathers them again for its backward pass,
   recomputing itself; its gathers wait for the unit two before it (prefetch of depth one), so
-  a replica holds about two units' parameters at a time. Under XLA each unit is its own
-  program, its collectives outside it.
+  a replica holds about two units' parameters at a time. Under XLA each unit is a forward
+  and a backward program, its collectives outside them; the backward program runs on the
+  activations the forward program kept, never on kept parameters
+  (``checkpoint_activations=True``: it recomputes instead).
 * **Whole-read rule** (``whole_reads``). On several workers a whole read (``model.save``,
   ``get_weights``, a checkpoint) is a collective the chief leads: every worker makes the same
   call, or has finished its script and serves the chief's reads from its exit; a worker gone

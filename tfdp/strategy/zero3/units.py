@@ -26,7 +26,8 @@ Under XLA (``jit_compile=True``, or tfdp's default on GPUs) each unit is compile
 (units_xla.py): its gathers and reduce-scatters run outside XLA, between the units, and two
 XLA programs per unit compute its forward and backward pass from the gathered parameters
 passed in as arguments; the forward program keeps the unit's activations, so the backward
-pass re-gathers the parameters without recomputing the forward pass.
+pass re-gathers the parameters without recomputing the forward pass
+(``checkpoint_activations=True``: compiled units recompute too, keeping only their inputs).
 
 Sharded parameters read outside any unit (``reshard_after_forward=False``, a layer that is
 not pure, a custom loop running eagerly, ``tfdp.compile_gradients``, which reads parameters
