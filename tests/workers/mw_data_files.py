@@ -67,11 +67,20 @@ def step_functions():
     type ignores whether the end-of-data agreement runs, so a function traced for one dataset
     would run another's steps without (or with) it (docs/limits.md)."""
 
+    def replica_step(i):
+        # The count waits for the batch. tf.size of a static-shaped batch (drop_remainder,
+        # no end-of-data agreement) is a constant, and an all-reduce of a constant starts
+        # before next(): in the call that finds the end of the data one worker then cancelled
+        # a ring it had started while the other never started it, and both hung (seen once
+        # in CI, 2026-11-29; docs/data.md).
+        with tf.control_dependencies([i]):
+            count = tf.identity(tf.size(i))
+        return i, tf.distribute.get_replica_context().all_reduce("SUM", count)
+
     @tf.function
     def train_step(iterator):
         batch = next(iterator)  # as Keras's train function: the batch is taken inside the step
-        return strategy.run(lambda i: (i, tf.distribute.get_replica_context().all_reduce(
-            "SUM", tf.size(i))), args=(batch,))
+        return strategy.run(replica_step, args=(batch,))
 
     return tf.function(lambda iterator: next(iterator)), train_step
 
