@@ -130,7 +130,7 @@ class SplitGradient(object):
         forward, self._backward = delayed.forward_backward(self.num_outputs)
         self._captured = list(concrete.captured_inputs)
         graph = concrete.graph
-        inputs = {ops.tensor_id(t): k for k, t in enumerate(graph.inputs)}
+        inputs = self._argument_index = {ops.tensor_id(t): k for k, t in enumerate(graph.inputs)}
         outputs = {ops.tensor_id(t): j for j, t in enumerate(graph.outputs)}
         self.num_arguments = len(graph.inputs) - len(self._captured)
         self.trainable_outputs = [backprop_util.IsTrainable(t)
@@ -204,7 +204,7 @@ class SplitGradient(object):
         """The flat arguments whose values ``tensor`` is computed from: not the captured
         inputs (constants of the trace), and not through SHAPE_OPS (a value reshaped to an
         input's shape is still the parameter's alone)."""
-        inputs = {ops.tensor_id(t): k for k, t in enumerate(self._graph.inputs)}
+        inputs = self._argument_index
         seen, stack, reached = set(), [tensor], set()
         while stack:
             t = stack.pop()
